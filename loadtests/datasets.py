@@ -1,0 +1,255 @@
+"""Seeded prompt sources: what the simulated users ask.
+
+Every source gives random access by position (`prompt(i)`), so the global request
+sequence is a pure function of (source, seed): workers take interleaved positions
+(slot, slot + n, ...) and both arms of a comparison get the same prompts in the same
+order, however the load is partitioned.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import random
+import re
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Literal, Protocol
+
+DatasetKind = Literal["synthetic", "gsm8k", "jsonl"]
+
+
+@dataclass(frozen=True)
+class Prompt:
+    """One request's input: a completion prompt or a chat conversation."""
+
+    index: int
+    text: str | None = None
+    messages: tuple[Mapping[str, Any], ...] | None = None
+    # exact output length for this item (synthetic data); None: the run's --mtp-max-tokens
+    max_tokens: int | None = None
+    ignore_eos: bool | None = None
+
+    @property
+    def is_chat(self) -> bool:
+        return self.messages is not None
+
+
+class PromptSource(Protocol):
+    name: str
+
+    @property
+    def has_chats(self) -> bool:
+        """True when some items are conversations (they need the chat endpoint)."""
+        ...
+
+    def prompt(self, index: int) -> Prompt: ...
+
+
+_DISTRIBUTION = re.compile(r"^(?:(?P<kind>fixed|uniform|normal|lognormal):)?(?P<args>[0-9.:]+)$")
+
+
+@dataclass(frozen=True)
+class LengthDistribution:
+    """A token-length distribution, written `128`, `fixed:128`, `uniform:64:256`,
+    `normal:MEAN:STD` or `lognormal:MEDIAN:SIGMA` (sigma of the log). Samples are
+    rounded and clipped to at least 1 (and at most `upper` when given)."""
+
+    kind: Literal["fixed", "uniform", "normal", "lognormal"]
+    a: float
+    b: float = 0.0
+
+    @classmethod
+    def parse(cls, spec: str | int) -> LengthDistribution:
+        text = str(spec).strip()
+        match = _DISTRIBUTION.match(text)
+        if not match:
+            raise ValueError(f"not a length distribution: {spec!r} (e.g. 128, uniform:64:256, normal:128:16)")
+        kind = match["kind"] or "fixed"
+        numbers = [float(part) for part in match["args"].split(":")]
+        expected = 1 if kind == "fixed" else 2
+        if len(numbers) != expected:
+            raise ValueError(f"{kind} length distribution takes {expected} number(s): {spec!r}")
+        if any(n < 0 for n in numbers) or (kind != "normal" and numbers[0] <= 0):
+            raise ValueError(f"length distribution needs positive numbers: {spec!r}")
+        if kind == "uniform" and numbers[1] < numbers[0]:
+            raise ValueError(f"uniform length distribution needs low <= high: {spec!r}")
+        return cls(kind, numbers[0], numbers[1] if expected == 2 else 0.0)  # type: ignore[arg-type]
+
+    def sample(self, rng: random.Random) -> int:
+        if self.kind == "fixed":
+            value = self.a
+        elif self.kind == "uniform":
+            value = rng.randint(math.ceil(self.a), math.floor(self.b))
+        elif self.kind == "normal":
+            value = rng.gauss(self.a, self.b)
+        else:
+            value = rng.lognormvariate(math.log(self.a), self.b)
+        return max(1, round(value))
+
+    def __str__(self) -> str:
+        if self.kind == "fixed":
+            return f"{self.a:g}"
+        return f"{self.kind}:{self.a:g}:{self.b:g}"
+
+
+# Short common English words: each is close to one token for BPE tokenizers (with its
+# leading space), which keeps "input tokens approximated by words" honest.
+_WORDS = (
+    "the of and to in is you that it he was for on are as with his they at be this have from or one had by "
+    "word but not what all were we when your can said there use an each which she do how their if will up "
+    "other about out many then them these so some her would make like him into time has look two more write "
+    "go see number no way could people my than first water been call who oil its now find long down day did "
+    "get come made may part over new sound take only little work know place year live me back give most very "
+    "after thing our just name good sentence man think say great where help through much before line right "
+    "too mean old any same tell boy follow came want show also around form three small set put end does "
+    "another well large must big even such because turn here why ask went men read need land different home "
+    "us move try kind hand picture again change off play spell air away animal house point page letter mother "
+    "answer found study still learn should world high every near add food between own below country plant "
+    "last school father keep tree never start city earth eye light thought head under story saw left few "
+    "while along might close something seem next hard open example begin life always those both paper "
+    "together got group often run important until children side feet car mile night walk white sea began grow"
+).split()
+
+
+class SyntheticPrompts:
+    """Random-word prompts of a drawn length, each asking for an exact output length.
+
+    Output lengths are exact because every request carries `max_tokens` = the drawn
+    length and `ignore_eos`; input lengths are approximate (words, not tokens).
+    """
+
+    name = "synthetic"
+    has_chats = False
+
+    def __init__(self, input_tokens: LengthDistribution, output_tokens: LengthDistribution, seed: int = 0) -> None:
+        self.input_tokens = input_tokens
+        self.output_tokens = output_tokens
+        self.seed = seed
+
+    def prompt(self, index: int) -> Prompt:
+        # a generator per item (string seeds hash deterministically) makes item i the same
+        # whichever worker draws it and whatever was drawn before
+        rng = random.Random(f"mtp-synthetic:{self.seed}:{index}")
+        n_input = self.input_tokens.sample(rng)
+        n_output = self.output_tokens.sample(rng)
+        text = " ".join(rng.choices(_WORDS, k=n_input))
+        return Prompt(index=index, text=text, max_tokens=n_output, ignore_eos=True)
+
+
+class _ShuffledItems:
+    """Items of a file in a seeded order that is reshuffled every pass over the file."""
+
+    def __init__(self, items: Sequence[Any], seed: int, label: str) -> None:
+        if not items:
+            raise ValueError(f"{label} holds no items")
+        self._items = items
+        self._seed = seed
+        self._label = label
+        self._epoch = -1
+        self._order: list[int] = []
+
+    def __len__(self) -> int:
+        return len(self._items)
+
+    def item(self, index: int) -> Any:
+        epoch, position = divmod(index, len(self._items))
+        if epoch != self._epoch:
+            order = list(range(len(self._items)))
+            random.Random(f"mtp-{self._label}:{self._seed}:{epoch}").shuffle(order)
+            self._epoch, self._order = epoch, order
+        return self._items[self._order[position]]
+
+
+def _read_jsonl(path: Path) -> list[dict[str, Any]]:
+    rows: list[dict[str, Any]] = []
+    with open(path, encoding="utf-8") as lines:
+        for number, line in enumerate(lines, start=1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except ValueError as exc:
+                raise ValueError(f"{path}:{number}: not JSON: {exc}") from exc
+            if not isinstance(row, dict):
+                raise ValueError(f"{path}:{number}: expected a JSON object")
+            rows.append(row)
+    return rows
+
+
+class Gsm8kQuestions:
+    """gsm8k questions (any JSONL with a "question" field), zero-shot, in seeded order.
+
+    Completions get vLLM's eval framing ("Question: ...\\nAnswer:"); chat gets the
+    question as the user's message. This is load, not the accuracy eval: no few-shot.
+    """
+
+    name = "gsm8k"
+    has_chats = False
+
+    def __init__(self, path: str | Path, seed: int = 0) -> None:
+        rows = _read_jsonl(Path(path))
+        for number, row in enumerate(rows, start=1):
+            if not isinstance(row.get("question"), str):
+                raise ValueError(f"{path}: item {number} has no 'question' string")
+        self._questions = _ShuffledItems([row["question"] for row in rows], seed, "gsm8k")
+
+    def __len__(self) -> int:
+        return len(self._questions)
+
+    def prompt(self, index: int) -> Prompt:
+        question = self._questions.item(index)
+        return Prompt(index=index, text=f"Question: {question}\nAnswer:")
+
+
+class JsonlPrompts:
+    """A user's JSONL: one {"prompt": "..."} or {"messages": [...]} per line, optionally
+    with "max_tokens", in seeded order."""
+
+    name = "jsonl"
+
+    def __init__(self, path: str | Path, seed: int = 0) -> None:
+        rows = _read_jsonl(Path(path))
+        prompts: list[Prompt] = []
+        for number, row in enumerate(rows, start=1):
+            max_tokens = row.get("max_tokens")
+            if max_tokens is not None and (not isinstance(max_tokens, int) or max_tokens < 1):
+                raise ValueError(f"{path}: item {number}: max_tokens must be a positive integer")
+            if isinstance(row.get("prompt"), str):
+                prompts.append(Prompt(index=-1, text=row["prompt"], max_tokens=max_tokens))
+            elif isinstance(row.get("messages"), list) and all(isinstance(m, dict) for m in row["messages"]):
+                prompts.append(Prompt(index=-1, messages=tuple(row["messages"]), max_tokens=max_tokens))
+            else:
+                raise ValueError(f"{path}: item {number} has neither a 'prompt' string nor a 'messages' list")
+        self._prompts = _ShuffledItems(prompts, seed, "jsonl")
+        self.has_chats = any(p.is_chat for p in prompts)
+
+    def __len__(self) -> int:
+        return len(self._prompts)
+
+    def prompt(self, index: int) -> Prompt:
+        item: Prompt = self._prompts.item(index)
+        return Prompt(index=index, text=item.text, messages=item.messages, max_tokens=item.max_tokens)
+
+
+def open_prompt_source(
+    kind: DatasetKind,
+    *,
+    path: str | Path | None = None,
+    input_tokens: str = "128",
+    output_tokens: str = "128",
+    seed: int = 0,
+) -> PromptSource:
+    """The prompt source a run's options name; a bad path or spec raises ValueError."""
+    if kind == "synthetic":
+        return SyntheticPrompts(LengthDistribution.parse(input_tokens), LengthDistribution.parse(output_tokens), seed)
+    if path is None:
+        raise ValueError(f"dataset {kind!r} needs a path (--mtp-dataset-path)")
+    if not Path(path).is_file():
+        raise ValueError(f"dataset file not found: {path}")
+    if kind == "gsm8k":
+        return Gsm8kQuestions(path, seed)
+    if kind == "jsonl":
+        return JsonlPrompts(path, seed)
+    raise ValueError(f"unknown dataset kind {kind!r} (synthetic, gsm8k or jsonl)")

@@ -1,0 +1,333 @@
+"""Streaming LLM traffic for Locust: users who ask, read the streamed answer, and ask again.
+
+Runs on its own (`locust -f loadtests/locustfile.py --host http://ROUTER:PORT`, web UI
+or headless) and as the master and workers a `loadtests.swarm.Swarm` starts. Traffic
+options are the `--mtp-*` flags (listed by `python -m loadtests.options --help`; Locust's
+own --help runs before this file is imported).
+
+Closed loop (default): each user keeps one request in flight; concurrency = users.
+Open loop (`--mtp-rate R`): requests leave on a global schedule of R/s shared by all
+workers; users are the most requests that can be in flight at once, and a request that
+finds every user busy leaves late (its record's `send_lag_s` says how late).
+
+Every request becomes a `RequestRecord`; the master (or the single local process)
+writes them all to `--mtp-records`. Locust's statistics get one row per arm
+("[baseline] /v1/completions") for watching, never for judging.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import sys
+import time
+import uuid
+from pathlib import Path
+
+# `locust -f path/to/loadtests/locustfile.py` imports this file as a plain module: make
+# the package it belongs to importable from any working directory.
+_PACKAGE_PARENT = str(Path(__file__).resolve().parent.parent)
+if _PACKAGE_PARENT not in sys.path:
+    sys.path.insert(0, _PACKAGE_PARENT)
+
+import gevent  # noqa: E402
+import psutil  # noqa: E402
+from locust import User, events, task  # noqa: E402
+from locust.env import Environment  # noqa: E402
+from locust.exception import StopUser  # noqa: E402
+from locust.runners import (  # noqa: E402
+    STATE_MISSING,
+    STATE_RUNNING,
+    STATE_SPAWNING,
+    LocalRunner,
+    MasterRunner,
+    WorkerRunner,
+)
+
+from loadtests.collection import (  # noqa: E402
+    FLUSH_REQUEST_MESSAGE,
+    FLUSHED_MESSAGE,
+    RECORDS_MESSAGE,
+    RecordCollector,
+    RecordShipper,
+)
+from loadtests.openai_stream import OpenAIStreamClient, RecordLabels  # noqa: E402
+from loadtests.options import TrafficOptions, cli_arguments  # noqa: E402
+from loadtests.records import RequestRecord  # noqa: E402
+from loadtests.traffic import SlotPlan, TrafficShare  # noqa: E402
+
+logger = logging.getLogger("mtp_canary.loadtests")
+
+# set by whoever starts this process (the Swarm): when that process is gone, so is the
+# reason to run; its own session keeps this process away from its parent's signals
+PARENT_PID_ENV = "MTP_CANARY_PARENT_PID"
+PLAN_MESSAGE = "mtp_plan"  # master -> workers at each test start: {"slots", "n_slots", "start_at"}
+SHIP_INTERVAL_S = 1.0  # how often a worker sends what it has, so the master's file grows live
+
+
+class StreamFailure(Exception):
+    """A failed request as Locust's failure table shows it (the record holds the details)."""
+
+
+class _Process:
+    """This Locust process's part in the collection and the traffic."""
+
+    def __init__(self) -> None:
+        self.worker_id = "local"
+        self.collector: RecordCollector | None = None  # master or local run
+        self.shipper: RecordShipper | None = None  # worker or local run
+        self.plan: SlotPlan | None = None  # worker: from the master's plan message
+        self.traffic: TrafficShare | None = None  # worker or local run, rebuilt per test
+        self.flush_epoch = 0
+        self.flush_timeout_s = TrafficOptions.model_fields["flush_timeout_s"].default
+
+
+_process = _Process()
+
+
+@events.init_command_line_parser.add_listener
+def _add_traffic_flags(parser, **_kwargs) -> None:
+    for argument in cli_arguments():
+        parser.add_argument(argument.flag, include_in_web_ui=argument.in_web_ui, **argument.kwargs)
+
+
+def _cpu_seconds() -> float:
+    times = psutil.Process().cpu_times()
+    return times.user + times.system
+
+
+def _ship_periodically() -> None:
+    while True:
+        gevent.sleep(SHIP_INTERVAL_S)
+        if _process.shipper is not None:
+            try:
+                _process.shipper.flush()
+            except Exception:  # a lost batch shows in the summary's counts; keep shipping the rest
+                logger.exception("sending a batch of records to the master failed")
+
+
+def _exit_with_parent(parent_pid: int) -> None:
+    while True:
+        gevent.sleep(1.0)
+        if os.getppid() != parent_pid:
+            # records so far are on disk (the master flushes every batch); nobody waits for more
+            logger.error("the process that started this Locust (pid %d) is gone; exiting", parent_pid)
+            logging.shutdown()
+            os._exit(3)
+
+
+@events.init.add_listener
+def _on_init(environment: Environment, **_kwargs) -> None:
+    runner = environment.runner
+    if os.environ.get(PARENT_PID_ENV):
+        gevent.spawn(_exit_with_parent, int(os.environ[PARENT_PID_ENV]))
+    if isinstance(runner, WorkerRunner):
+        # a worker's own flags are defaults; the master's arrive with each spawn message
+        _process.worker_id = runner.client_id
+        _process.shipper = RecordShipper(runner.client_id, runner.send_message)
+        runner.register_message(PLAN_MESSAGE, _on_plan)
+        # concurrent: stopping may wait for users (--stop-timeout); the message loop must go on
+        runner.register_message(FLUSH_REQUEST_MESSAGE, _on_flush_request, concurrent=True)
+        gevent.spawn(_ship_periodically)
+        return
+
+    try:
+        options = TrafficOptions.from_namespace(environment.parsed_options)
+        # open the dataset once here so a bad path stops the run before any load is sent
+        TrafficShare(options, SlotPlan(0, 1, time.time()))
+    except ValueError as exc:
+        logger.error("invalid load test options: %s", exc)
+        sys.exit(2)
+    collector = RecordCollector(options.records)
+    _process.collector = collector
+    _process.flush_timeout_s = options.flush_timeout_s
+    if isinstance(runner, MasterRunner):
+        runner.register_message(RECORDS_MESSAGE, lambda msg, **_: collector.receive_batch(msg.data))
+        runner.register_message(FLUSHED_MESSAGE, lambda msg, **_: collector.receive_flushed(msg.data))
+        environment.events.worker_connect.add_listener(lambda client_id, **_: collector.expect_worker(client_id))
+    elif isinstance(runner, LocalRunner):
+        # a single process: records go straight into the collector, through the same
+        # batching and counting as a worker's, so the summary means the same thing
+        def deliver_locally(message_type: str, data: dict) -> None:
+            if message_type == RECORDS_MESSAGE:
+                collector.receive_batch(data)
+            elif message_type == FLUSHED_MESSAGE:
+                collector.receive_flushed(data)
+
+        _process.shipper = RecordShipper("local", deliver_locally)
+        collector.expect_worker("local")
+        gevent.spawn(_ship_periodically)
+
+
+def _on_plan(environment: Environment, msg, **_kwargs) -> None:
+    runner = environment.runner
+    slots = msg.data["slots"]
+    if runner.client_id not in slots:
+        logger.warning("the master's plan has no slot for this worker; it will not send")
+        _process.plan = None
+        return
+    _process.plan = SlotPlan(slots[runner.client_id], msg.data["n_slots"], msg.data["start_at"])
+
+
+@events.test_start.add_listener
+def _on_test_start(environment: Environment, **_kwargs) -> None:
+    runner = environment.runner
+    if isinstance(runner, MasterRunner):
+        # partition the global sequence and rate among the workers that will get users,
+        # in worker-index order; sent before the spawn messages on the same channel
+        workers = sorted(
+            (node.id for node in runner.clients.ready + runner.clients.spawning + runner.clients.running),
+            key=runner.get_worker_index,
+        )
+        plan = {"slots": {worker: slot for slot, worker in enumerate(workers)}, "n_slots": len(workers),
+                "start_at": time.time()}
+        runner.send_message(PLAN_MESSAGE, plan)
+        return
+
+    plan = SlotPlan(0, 1, time.time()) if isinstance(runner, LocalRunner) else _process.plan
+    try:
+        options = TrafficOptions.from_namespace(environment.parsed_options)
+        _process.traffic = TrafficShare(options, plan) if plan is not None else None
+    except ValueError as exc:
+        # fail the process rather than send nothing quietly; the Swarm sees the exit code
+        logger.error("invalid load test options: %s", exc)
+        _process.traffic = None
+        environment.process_exit_code = 2
+        gevent.spawn(runner.quit)
+
+
+@events.test_stopping.add_listener
+def _on_test_stopping(environment: Environment, **_kwargs) -> None:
+    """Master: before the workers are told to stop or quit, collect everything they hold."""
+    runner = environment.runner
+    if not isinstance(runner, MasterRunner) or _process.collector is None:
+        return
+    collector = _process.collector
+    _process.flush_epoch += 1
+    epoch = _process.flush_epoch
+    waiting = {node.id for node in runner.clients.all if node.state != STATE_MISSING}
+    for worker in collector.known_workers:
+        # it flushed when it left, but its share of the test was cut short
+        if worker not in waiting and not collector.has_flushed(worker, epoch):
+            collector.note_problem(f"worker {worker} left before the test stopped")
+    if not waiting:
+        return
+    runner.send_message(FLUSH_REQUEST_MESSAGE, {"epoch": epoch})
+    deadline = time.monotonic() + _process.flush_timeout_s + (environment.stop_timeout or 0)
+    while waiting and time.monotonic() < deadline:
+        gevent.sleep(0.05)
+        # a worker that quit or went missing will never answer; the summary will say so
+        waiting = {w for w in waiting if w in runner.clients and not collector.has_flushed(w, epoch)}
+    if waiting:
+        message = f"no final records from worker(s) {sorted(waiting)} within {_process.flush_timeout_s:g}s"
+        logger.error(message)
+        collector.note_problem(message)
+
+
+def _on_flush_request(environment: Environment, msg, **_kwargs) -> None:
+    """Worker: stop the users (their in-flight requests become records), then flush."""
+    _process.flush_epoch = max(_process.flush_epoch, msg.data["epoch"])
+    runner = environment.runner
+    if runner.state in (STATE_RUNNING, STATE_SPAWNING):
+        runner.stop()  # fires test_stop, which flushes
+    elif _process.shipper is not None:
+        _process.shipper.flush_final(_process.flush_epoch, _cpu_seconds())
+
+
+@events.test_stop.add_listener
+def _on_test_stop(environment: Environment, **_kwargs) -> None:
+    # users are stopped by now: every record of this test is in the shipper's buffer
+    if _process.shipper is not None:
+        _process.shipper.flush_final(_process.flush_epoch, _cpu_seconds())
+
+
+@events.quitting.add_listener
+def _on_quitting(environment: Environment, **_kwargs) -> None:
+    runner = environment.runner
+    if _process.collector is None:
+        return
+    # a SIGTERM or Ctrl-C mid-test: stop properly first so the workers' records arrive
+    if runner is not None and runner.state in (STATE_RUNNING, STATE_SPAWNING):
+        if isinstance(runner, MasterRunner):
+            runner.quit()
+        else:
+            runner.stop()
+    summary = _process.collector.close()
+    if summary.records_path is not None:
+        logger.info("wrote %d request records to %s", summary.records_written, summary.records_path)
+    for problem in summary.describe_problems():
+        logger.error("record collection incomplete: %s", problem)
+
+
+class LLMStreamUser(User):
+    """A client of an LLM service: it asks, reads the streamed answer to its end, and asks again."""
+
+    def on_start(self) -> None:
+        traffic = _process.traffic
+        if traffic is None:
+            raise StopUser()
+        if self.host is None:
+            raise ValueError("no host: pass --host http://ROUTER:PORT")
+        self.client = OpenAIStreamClient(self.host, timeout_s=traffic.options.timeout_s)
+        if traffic.model is None:
+            try:
+                traffic.model = self.client.first_model()
+            except Exception as exc:  # the requests themselves will show what is wrong
+                logger.warning("could not read the model name from %s/v1/models: %s", self.host, exc)
+        self._due_at: float | None = None
+
+    def on_stop(self) -> None:
+        client = getattr(self, "client", None)
+        if client is not None:
+            client.close()
+
+    def wait_time(self) -> float:
+        """Open loop: the time until the request this user holds is due; closed loop: none."""
+        if self._due_at is None:
+            return 0.0
+        return max(0.0, self._due_at - time.time())
+
+    @task
+    def ask_and_read_the_streamed_answer(self) -> None:
+        traffic = _process.traffic
+        if traffic is None:
+            raise StopUser()
+        ticket = traffic.next_ticket()
+        if ticket.scheduled_at is not None:
+            # Locust's wait() lets a stopping test end this sleep, unlike a plain sleep
+            self._due_at = ticket.scheduled_at
+            self.wait()
+            self._due_at = None
+        labels = RecordLabels(
+            request_id=uuid.uuid4().hex,
+            tag=traffic.options.tag,
+            worker=_process.worker_id,
+            dataset_index=ticket.prompt.index,
+            scheduled_at=ticket.scheduled_at,
+        )
+        result = self.client.stream(ticket.request, labels, on_cancelled=self._keep)
+        self._keep(result.record)
+        self._report_to_locust_stats(result.record, ticket.request.path, result.response_bytes)
+
+    def _keep(self, record: RequestRecord) -> None:
+        if _process.shipper is not None:
+            _process.shipper.add(record)
+
+    def _report_to_locust_stats(self, record: RequestRecord, path: str, response_bytes: int) -> None:
+        label = f"[{record.arm}] " if record.arm else ""
+        fire = self.environment.events.request.fire
+        fire(
+            request_type="POST",
+            name=f"{label}{path}",
+            response_time=record.e2e_s * 1000.0,
+            response_length=response_bytes,
+            exception=None if record.ok else StreamFailure(record.error),
+            context={},
+        )
+        if _process.traffic is not None and _process.traffic.options.ui_latency_rows and record.ok:
+            if record.ttft_s is not None:
+                fire(request_type="TTFT", name=label.strip() or "all", response_time=record.ttft_s * 1000.0,
+                     response_length=0, exception=None, context={})
+            if record.tpot_s is not None:
+                fire(request_type="TPOT", name=label.strip() or "all", response_time=record.tpot_s * 1000.0,
+                     response_length=0, exception=None, context={})

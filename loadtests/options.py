@@ -1,0 +1,172 @@
+"""The traffic a load test sends, as one typed object and as `--mtp-*` command-line flags.
+
+The same `TrafficOptions` is built by the Swarm (and turned into flags), parsed by the
+locustfile from Locust's options, and edited in Locust's web UI, so the flags are derived
+from the model's fields rather than written twice. Importing this module never imports
+Locust or gevent: a Ray driver builds these objects.
+"""
+
+from __future__ import annotations
+
+import argparse
+import types
+import typing
+from dataclasses import dataclass, field
+from pathlib import PurePath
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
+
+from loadtests.arrivals import ArrivalKind
+from loadtests.datasets import DatasetKind, LengthDistribution
+from loadtests.records import Endpoint
+
+FLAG_PREFIX = "mtp"
+
+
+class TrafficOptions(BaseModel):
+    """What each simulated user sends, and where the master keeps the records."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    dataset: DatasetKind = Field("synthetic", description="prompt source: synthetic, gsm8k or jsonl")
+    dataset_path: str | None = Field(
+        None, description="JSONL file for gsm8k ({'question'}) or jsonl ({'prompt'} or {'messages'})"
+    )
+    input_tokens: str = Field(
+        "128", description="synthetic prompt length in tokens (~words): 128, uniform:64:256, normal:M:S, lognormal:MED:SIG"
+    )
+    output_tokens: str | None = Field(
+        None, description="synthetic output length distribution (default: exactly --mtp-max-tokens)"
+    )
+    max_tokens: int = Field(128, ge=1, description="max_tokens of each request (datasets without their own)")
+    ignore_eos: bool = Field(False, description="send ignore_eos (always on for synthetic: exact output lengths)")
+    endpoint: Endpoint = Field("completions", description="completions (/v1/completions) or chat (/v1/chat/completions)")
+    model: str | None = Field(None, description="model name (default: the first one /v1/models lists)")
+    temperature: float = Field(0.0, ge=0.0, description="sampling temperature (0: greedy)")
+    records: str | None = Field(None, description="JSONL path where the master writes every request's record")
+    tag: str = Field("loadtest", min_length=1, description="phase label stored in every record")
+    seed: int = Field(0, description="seed of the prompt sequence and of random arrivals")
+    arm_pin: str | None = Field(
+        None,
+        description="pin requests to arms via x-mtp-canary-arm; a comma list (baseline,canary) "
+        "sends every prompt to each arm in turn",
+    )
+    rate: float | None = Field(None, gt=0, description="open loop: total requests/s over all workers (default: closed loop)")
+    arrival: ArrivalKind = Field("poisson", description="open-loop arrivals: poisson, constant or gamma")
+    burstiness: float = Field(1.0, gt=0, description="gamma arrivals: shape (1 = Poisson, <1 burstier)")
+    timeout_s: float = Field(600.0, gt=0, description="seconds a request may wait for its next bytes")
+    ui_latency_rows: bool = Field(False, description="add TTFT and TPOT rows per arm to Locust's statistics")
+    flush_timeout_s: float = Field(
+        30.0, gt=0, description="how long the master waits for the workers' last records after a stop"
+    )
+
+    @field_validator("*", mode="before")
+    @classmethod
+    def _normalise(cls, value: Any) -> Any:
+        if isinstance(value, PurePath):  # file options travel as command-line strings
+            return str(value)
+        # Locust's web UI sends "" for an optional field left empty
+        return None if isinstance(value, str) and value.strip() == "" else value
+
+    @model_validator(mode="after")
+    def _consistent(self) -> TrafficOptions:
+        if self.dataset != "synthetic" and not self.dataset_path:
+            raise ValueError(f"dataset {self.dataset!r} needs --mtp-dataset-path")
+        if self.dataset == "synthetic":
+            LengthDistribution.parse(self.input_tokens)
+            LengthDistribution.parse(self.synthetic_output_tokens)
+        if self.arm_pin is not None and not self.pinned_arms:
+            raise ValueError("--mtp-arm-pin names no arm")
+        return self
+
+    @property
+    def pinned_arms(self) -> tuple[str, ...]:
+        if not self.arm_pin:
+            return ()
+        return tuple(arm.strip() for arm in self.arm_pin.split(",") if arm.strip())
+
+    @property
+    def synthetic_output_tokens(self) -> str:
+        return self.output_tokens or str(self.max_tokens)
+
+    @classmethod
+    def from_namespace(cls, namespace: argparse.Namespace | Any) -> TrafficOptions:
+        """Read the `mtp_*` attributes of Locust's parsed options."""
+        values = {}
+        for name in cls.model_fields:
+            dest = f"{FLAG_PREFIX}_{name}"
+            if hasattr(namespace, dest):
+                values[name] = getattr(namespace, dest)
+        return cls.model_validate(values)
+
+    def to_cli_args(self) -> list[str]:
+        """The flags that reproduce these options (only those that differ from the defaults)."""
+        args: list[str] = []
+        for name, info in type(self).model_fields.items():
+            value = getattr(self, name)
+            if value == info.default:
+                continue
+            flag = _flag(name)
+            if isinstance(value, bool):
+                if value:
+                    args.append(flag)
+                else:  # a False that differs from a True default cannot be a store_true flag
+                    raise ValueError(f"{flag} cannot be switched off on the command line")
+            else:
+                args += [flag, str(value)]
+        return args
+
+
+def _flag(name: str) -> str:
+    return f"--{FLAG_PREFIX}-{name.replace('_', '-')}"
+
+
+@dataclass(frozen=True)
+class CliArgument:
+    """One `--mtp-*` flag, ready for `parser.add_argument(flag, **kwargs)`."""
+
+    flag: str
+    kwargs: dict[str, Any] = field(default_factory=dict)
+    in_web_ui: bool = True
+
+
+# fields that make no sense to change from the web form (the master opened its file at start)
+_NOT_IN_WEB_UI = {"records", "flush_timeout_s"}
+
+
+def cli_arguments() -> list[CliArgument]:
+    """Every TrafficOptions field as a flag, typed from its annotation."""
+    arguments = []
+    for name, info in TrafficOptions.model_fields.items():
+        annotation = info.annotation
+        # Optional[X] -> X
+        if typing.get_origin(annotation) in (typing.Union, types.UnionType):
+            annotation = next(arg for arg in typing.get_args(annotation) if arg is not type(None))
+        kwargs: dict[str, Any] = {"dest": f"{FLAG_PREFIX}_{name}", "default": info.default, "help": info.description}
+        if annotation is bool:
+            kwargs["action"] = "store_true"
+        elif typing.get_origin(annotation) is Literal:
+            kwargs["choices"] = list(typing.get_args(annotation))
+        elif annotation in (int, float, str):
+            kwargs["type"] = annotation
+        else:
+            raise TypeError(f"TrafficOptions.{name}: no command-line form for {annotation!r}")
+        arguments.append(CliArgument(_flag(name), kwargs, in_web_ui=name not in _NOT_IN_WEB_UI))
+    return arguments
+
+
+def _print_flags() -> None:
+    """`python -m loadtests.options --help`: the --mtp-* flags (Locust's own --help prints
+    before it imports the locustfile, so it cannot list them)."""
+    parser = argparse.ArgumentParser(
+        prog="locust -f loadtests/locustfile.py",
+        description="Traffic flags of the mtp-canary locustfile (besides Locust's own options).",
+    )
+    for argument in cli_arguments():
+        parser.add_argument(argument.flag, **argument.kwargs)
+    parser.parse_args()
+
+
+if __name__ == "__main__":
+    _print_flags()

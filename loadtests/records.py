@@ -1,0 +1,118 @@
+"""One streamed request as the client saw it: the raw material every latency gate judges.
+
+Locust's own statistics round response times into buckets (147 ms -> 150 ms) and know
+nothing of tokens, so the gates never read them; they read these records, one per
+request that was sent, written as JSON lines.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field
+
+Endpoint = Literal["completions", "chat"]
+
+
+class RequestRecord(BaseModel):
+    """What happened to one request, measured at the client.
+
+    Times: `scheduled_at` and `sent_at` are wall-clock epoch seconds (comparable across
+    processes and with server logs); the durations `ttft_s` and `e2e_s` come from
+    `time.perf_counter()` taken at the socket read, so clock adjustments cannot bend them.
+    """
+
+    model_config = ConfigDict(frozen=True, extra="ignore")
+
+    request_id: str
+    tag: str = Field(description="phase label the runner passes, e.g. 'experiment'")
+    worker: str = Field(description="the Locust process that sent it")
+    endpoint: Endpoint = "completions"
+    arm: str | None = Field(default=None, description="response header x-mtp-canary-arm")
+    replica: str | None = Field(default=None, description="response header x-mtp-canary-replica")
+    pinned_arm: str | None = Field(default=None, description="arm the client asked for, if it pinned one")
+    dataset_index: int | None = Field(default=None, description="position in the seeded prompt sequence")
+    scheduled_at: float | None = Field(default=None, description="targeted send time (open loop only)")
+    sent_at: float
+    ttft_s: float | None = Field(default=None, description="send -> first chunk that carries output")
+    e2e_s: float = Field(description="send -> end of the stream")
+    output_tokens: int | None = Field(default=None, description="server usage.completion_tokens")
+    prompt_tokens: int | None = Field(default=None, description="server usage.prompt_tokens")
+    requested_max_tokens: int | None = None
+    chunks: int = Field(default=0, description="SSE chunks that carried output tokens")
+    finish_reason: str | None = None
+    ok: bool
+    status: int = Field(description="HTTP status; 0 when no response arrived")
+    error: str | None = None
+    cancelled: bool = Field(
+        default=False,
+        description="cut off by the load test stopping, not by the server: not an error of the arm",
+    )
+
+    @property
+    def tpot_s(self) -> float | None:
+        """Time per output token after the first, from the server's token count.
+
+        Never from chunk gaps: with speculative decoding one chunk carries up to k+1
+        tokens, and dividing by chunks instead of tokens overstates TPOT by that factor.
+        """
+        if self.ttft_s is None or self.output_tokens is None or self.output_tokens < 2:
+            return None
+        return (self.e2e_s - self.ttft_s) / (self.output_tokens - 1)
+
+    @property
+    def tokens_per_chunk(self) -> float | None:
+        """Mean output tokens per SSE chunk over the whole stream."""
+        if not self.output_tokens or not self.chunks:
+            return None
+        return self.output_tokens / self.chunks
+
+    @property
+    def decode_tokens_per_chunk(self) -> float | None:
+        """Mean tokens per chunk after the first (prefill) chunk.
+
+        Each engine step streams one chunk, the first step yields one token and every
+        decode step yields 1 + accepted drafts, so this is the client's view of vLLM's
+        mean acceptance length (1 + accepted / drafts).
+        """
+        if self.output_tokens is None or self.output_tokens < 2 or self.chunks < 2:
+            return None
+        return (self.output_tokens - 1) / (self.chunks - 1)
+
+    @property
+    def send_lag_s(self) -> float | None:
+        """How late the generator sent this request against its schedule (open loop only).
+
+        A growing lag means the load generator, not the server, limited the offered load.
+        """
+        if self.scheduled_at is None:
+            return None
+        return self.sent_at - self.scheduled_at
+
+
+def write_records(path: str | Path, records: Iterable[RequestRecord]) -> int:
+    """Write records as JSON lines (replacing the file); returns how many were written."""
+    count = 0
+    with open(path, "w", encoding="utf-8") as out:
+        for record in records:
+            out.write(record.model_dump_json())
+            out.write("\n")
+            count += 1
+    return count
+
+
+def read_records(path: str | Path) -> list[RequestRecord]:
+    """Read a JSONL records file; a line that is not a valid record raises with its number."""
+    records: list[RequestRecord] = []
+    with open(path, encoding="utf-8") as lines:
+        for number, line in enumerate(lines, start=1):
+            if not line.strip():
+                continue
+            try:
+                records.append(RequestRecord.model_validate(json.loads(line)))
+            except ValueError as exc:
+                raise ValueError(f"{path}:{number}: not a request record: {exc}") from exc
+    return records

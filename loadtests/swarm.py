@@ -1,0 +1,421 @@
+"""A Locust master and its workers as child processes: start, watch, collect, clean up.
+
+The caller is a Ray driver or actor, so Locust and gevent are never imported here:
+gevent's monkey patching must not enter a Ray process. Everything Locust runs in its own
+processes, each in its own process group so that nothing outlives the Swarm, whatever
+way it ends. The records arrive in one JSONL file written by the master; the Swarm
+reads the collection summary next to it and fails closed: a worker that died, or
+records that do not add up, raise `SwarmError` instead of returning partial numbers.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from collections.abc import Callable, Sequence
+from pathlib import Path
+from typing import Literal
+
+from pydantic import BaseModel, ConfigDict, Field, model_validator
+
+from loadtests.collection import CollectionSummary, summary_path_for
+from loadtests.options import TrafficOptions
+
+LOCUSTFILE = Path(__file__).resolve().with_name("locustfile.py")
+_PACKAGE_PARENT = str(Path(__file__).resolve().parent.parent)
+
+# how long a killed process may take to disappear
+_KILL_WAIT_S = 10.0
+# after the master exits, how long its workers get to quit before they are asked by SIGTERM
+_WORKER_EXIT_GRACE_S = 3.0
+
+
+class SwarmSpec(BaseModel):
+    """One load test: the traffic, how many users, for how long, on how many workers."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    host: str = Field(description="base URL the users call, e.g. the router's http://127.0.0.1:8000")
+    traffic: TrafficOptions = Field(description="the --mtp-* options; traffic.records is required")
+    users: int = Field(ge=1, description="concurrent users: closed loop in-flight requests, open loop the cap")
+    spawn_rate: float | None = Field(None, gt=0, description="users started per second (default: all within 1 s)")
+    run_time_s: int = Field(gt=0, description="how long the load runs once all workers are connected")
+    n_workers: int = Field(1, ge=0, description="worker processes; 0 runs one local (non-distributed) process")
+    stop_timeout_s: float = Field(
+        30.0, ge=0, description="at the end, in-flight requests get this long to finish before they are cancelled"
+    )
+    web_ui: bool = Field(False, description="serve Locust's web UI from the master while the run goes")
+    web_host: str = "127.0.0.1"
+    web_port: int = 8089
+    master_bind_host: str = Field("127.0.0.1", description="interface the master listens on for workers")
+    master_port: int | None = Field(None, description="master's port for workers (default: a free one)")
+    startup_timeout_s: float = Field(60.0, gt=0, description="how long the workers get to connect")
+    env: dict[str, str] = Field(default_factory=dict, description="extra environment for every Locust process")
+    locustfile: Path = LOCUSTFILE
+    log_dir: Path | None = Field(None, description="where master.log and worker-N.log go (default: next to records)")
+    python: str = Field(default_factory=lambda: sys.executable)
+
+    @model_validator(mode="after")
+    def _consistent(self) -> SwarmSpec:
+        if not self.traffic.records:
+            raise ValueError("SwarmSpec.traffic.records must name the JSONL file the master writes")
+        if self.users < self.n_workers:
+            # a worker without users would leave its share of the prompts and the rate unsent
+            raise ValueError(f"{self.users} users cannot keep {self.n_workers} workers busy")
+        return self
+
+    @property
+    def records_path(self) -> Path:
+        assert self.traffic.records is not None
+        return Path(self.traffic.records)
+
+    @property
+    def logs(self) -> Path:
+        if self.log_dir is not None:
+            return self.log_dir
+        return self.records_path.with_name(self.records_path.stem + "-locust-logs")
+
+
+class SwarmProgress(BaseModel):
+    """A progress report while the swarm runs.
+
+    phase: "starting" until the first record reaches the master's file, "running" while
+    records arrive, "stopping" once the master has exited.
+    """
+
+    model_config = ConfigDict(frozen=True)
+
+    phase: Literal["starting", "running", "stopping"]
+    elapsed_s: float
+    requests_done: int
+    requests_failed: int
+    workers_alive: int
+
+
+class SwarmResult(BaseModel):
+    """A finished, complete run: every worker flushed and every record is in the file."""
+
+    model_config = ConfigDict(frozen=True)
+
+    records_path: Path
+    n_records: int
+    summary: CollectionSummary
+    master_exit_code: int
+    worker_exit_codes: list[int]
+    duration_s: float
+    log_dir: Path
+
+
+class SwarmError(RuntimeError):
+    """The run failed or its records are incomplete; the message names the cause and the logs."""
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+        probe.bind(("0.0.0.0" if host == "*" else host, 0))
+        return probe.getsockname()[1]
+
+
+def _locust(python: str, locustfile: Path) -> list[str]:
+    return [python, "-m", "locust", "-f", str(locustfile)]
+
+
+def worker_command(
+    master_host: str,
+    master_port: int,
+    *,
+    locustfile: Path = LOCUSTFILE,
+    python: str = sys.executable,
+) -> list[str]:
+    """The command line of one Locust worker (e.g. for a Ray actor on another node).
+
+    A worker needs no traffic flags: the master sends its own with every spawn message.
+    Request failures are data in the records, so they never change the exit code; any
+    non-zero exit means the worker itself failed.
+    """
+    return _locust(python, locustfile) + [
+        "--worker",
+        "--master-host", master_host,
+        "--master-port", str(master_port),
+        "--exit-code-on-error", "0",
+    ]
+
+
+def master_command(spec: SwarmSpec, master_port: int) -> list[str]:
+    """The command line of the master (or, with n_workers = 0, of the single local process)."""
+    command = _locust(spec.python, spec.locustfile) + [
+        "--host", spec.host,
+        "--users", str(spec.users),
+        "--spawn-rate", f"{spec.spawn_rate if spec.spawn_rate is not None else spec.users:g}",
+        "--run-time", f"{spec.run_time_s}s",
+        "--stop-timeout", f"{spec.stop_timeout_s:g}",
+        "--exit-code-on-error", "0",
+        "--only-summary",
+    ]
+    if spec.web_ui:
+        # the run starts and ends by itself; the UI only watches (and may steer)
+        command += ["--autostart", "--autoquit", "0", "--web-host", spec.web_host, "--web-port", str(spec.web_port)]
+    else:
+        command += ["--headless"]
+    if spec.n_workers > 0:
+        command += [
+            "--master",
+            "--master-bind-host", spec.master_bind_host,
+            "--master-bind-port", str(master_port),
+            "--expect-workers", str(spec.n_workers),
+            "--expect-workers-max-wait", f"{spec.startup_timeout_s:g}",
+        ]
+    return command + spec.traffic.to_cli_args()
+
+
+def locust_environment(extra: dict[str, str] | None = None) -> dict[str, str]:
+    """The environment of a Locust process started from this process (also for a worker
+    that a Ray actor starts with `worker_command`)."""
+    # LOCUST_* variables would silently change options the Swarm sets
+    env = {key: value for key, value in os.environ.items() if not key.startswith("LOCUST_")}
+    # the locustfile exits when this process is gone (its own session shields it from our signals)
+    env["MTP_CANARY_PARENT_PID"] = str(os.getpid())
+    # the locustfile imports `loadtests` from this checkout whatever the working directory
+    env["PYTHONPATH"] = os.pathsep.join(p for p in (_PACKAGE_PARENT, env.get("PYTHONPATH", "")) if p)
+    env["PYTHONUNBUFFERED"] = "1"
+    env.update(extra or {})
+    return env
+
+
+def _tail(path: Path, lines: int = 20) -> str:
+    try:
+        text = path.read_text(encoding="utf-8", errors="replace")
+    except OSError:
+        return ""
+    return "\n".join(text.splitlines()[-lines:])
+
+
+class _RecordsTail:
+    """Counts records (and failed ones) as the master appends them, reading only new bytes."""
+
+    def __init__(self, path: Path) -> None:
+        self._path = path
+        self._offset = 0
+        self._partial = b""
+        self.done = 0
+        self.failed = 0
+
+    def poll(self) -> None:
+        try:
+            with open(self._path, "rb") as records:
+                records.seek(self._offset)
+                data = records.read()
+        except FileNotFoundError:
+            return
+        self._offset += len(data)
+        *lines, self._partial = (self._partial + data).split(b"\n")
+        for line in lines:
+            if not line.strip():
+                continue
+            self.done += 1
+            try:
+                if not json.loads(line).get("ok", False):
+                    self.failed += 1
+            except ValueError:
+                self.failed += 1
+
+
+class Swarm:
+    """Runs one `SwarmSpec` to completion: `Swarm(spec, on_progress=print).run()`."""
+
+    def __init__(
+        self,
+        spec: SwarmSpec,
+        on_progress: Callable[[SwarmProgress], None] | None = None,
+        progress_interval_s: float = 1.0,
+    ) -> None:
+        self.spec = spec
+        self._on_progress = on_progress
+        self._progress_interval_s = progress_interval_s
+        self._master: subprocess.Popen[bytes] | None = None
+        self._workers: list[subprocess.Popen[bytes]] = []
+
+    @property
+    def pids(self) -> list[int]:
+        """Process ids of the master and workers started so far."""
+        return [p.pid for p in ([self._master] if self._master else []) + self._workers]
+
+    @property
+    def worker_pids(self) -> list[int]:
+        return [p.pid for p in self._workers]
+
+    def run(self, timeout_s: float | None = None) -> SwarmResult:
+        """Start master and workers, wait for the end, and return the checked result.
+
+        `timeout_s` bounds the whole run (default: startup + run time + stop timeout +
+        the flush timeout + a margin). On timeout, error or interrupt every Locust
+        process is killed before the exception propagates.
+        """
+        if self._master is not None:
+            raise RuntimeError("a Swarm runs once; make a new one for the next run")
+        spec = self.spec
+        limit = timeout_s if timeout_s is not None else (
+            spec.startup_timeout_s + spec.run_time_s + spec.stop_timeout_s + spec.traffic.flush_timeout_s + 60.0
+        )
+        spec.logs.mkdir(parents=True, exist_ok=True)
+        spec.records_path.parent.mkdir(parents=True, exist_ok=True)
+        for stale in (spec.records_path, summary_path_for(spec.records_path)):
+            stale.unlink(missing_ok=True)  # a summary left from an earlier run must not pass for this one
+        started = time.monotonic()
+        try:
+            self._start()
+            master_code = self._wait(started, limit)
+            worker_codes = self._wait_for_workers()
+        except BaseException:
+            self.kill()
+            raise
+        return self._result(master_code, worker_codes, time.monotonic() - started)
+
+    def kill(self) -> None:
+        """Kill every process group this Swarm started and reap them.
+
+        SIGKILL at once: this only runs when the run has already failed or been
+        interrupted, the records so far are on disk (the master flushes every batch), and
+        a graceful master would wait for workers that may be dead.
+        """
+        processes = ([self._master] if self._master else []) + self._workers
+        for process in processes:
+            _signal_group(process, signal.SIGKILL)
+        for process in processes:
+            try:
+                process.wait(timeout=_KILL_WAIT_S)
+            except subprocess.TimeoutExpired:  # unkillable (stuck in the kernel): say so
+                raise SwarmError(f"locust process {process.pid} survived SIGKILL") from None
+
+    def _spawn(self, command: Sequence[str], log_name: str) -> subprocess.Popen[bytes]:
+        log_path = self.spec.logs / log_name
+        with open(log_path, "wb") as log:
+            return subprocess.Popen(
+                list(command),
+                stdin=subprocess.DEVNULL,
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                env=locust_environment(self.spec.env),
+                start_new_session=True,  # its own process group: killed as a whole
+            )
+
+    def _start(self) -> None:
+        spec = self.spec
+        port = spec.master_port or free_port(spec.master_bind_host)
+        self._master = self._spawn(master_command(spec, port), "master.log")
+        connect_host = "127.0.0.1" if spec.master_bind_host in ("0.0.0.0", "*") else spec.master_bind_host
+        for index in range(spec.n_workers):
+            command = worker_command(connect_host, port, locustfile=spec.locustfile, python=spec.python)
+            self._workers.append(self._spawn(command, f"worker-{index}.log"))
+
+    def _report(self, started: float, tail: _RecordsTail, master_exited: bool = False) -> None:
+        if self._on_progress is None:
+            return
+        tail.poll()
+        phase: Literal["starting", "running", "stopping"] = (
+            "stopping" if master_exited else "running" if tail.done else "starting"
+        )
+        self._on_progress(
+            SwarmProgress(
+                phase=phase,
+                elapsed_s=time.monotonic() - started,
+                requests_done=tail.done,
+                requests_failed=tail.failed,
+                workers_alive=sum(1 for w in self._workers if w.poll() is None),
+            )
+        )
+
+    def _wait(self, started: float, limit_s: float) -> int:
+        assert self._master is not None
+        tail = _RecordsTail(self.spec.records_path)
+        next_report = started
+        while True:
+            code = self._master.poll()
+            if code is not None:
+                self._report(started, tail, master_exited=True)
+                return code
+            for index, worker in enumerate(self._workers):
+                worker_code = worker.poll()
+                # a worker exits 0 only after the master told it to quit; anything else is a death
+                if worker_code is not None and worker_code != 0:
+                    raise SwarmError(
+                        f"locust worker {index} died with exit code {worker_code} during the run; "
+                        f"log {self.spec.logs / f'worker-{index}.log'}:\n{_tail(self.spec.logs / f'worker-{index}.log')}"
+                    )
+            now = time.monotonic()
+            if now - started > limit_s:
+                raise SwarmError(f"the load test did not finish within {limit_s:.0f}s; logs in {self.spec.logs}")
+            if now >= next_report:
+                self._report(started, tail)
+                next_report = now + self._progress_interval_s
+            time.sleep(0.1)
+
+    def _wait_for_workers(self) -> list[int]:
+        """Reap the workers once the master is gone.
+
+        A worker normally exits right after the master's quit message, but after a
+        web-UI style stop Locust's worker sleeps out --stop-timeout before it reads that
+        message; SIGTERM takes it through Locust's own clean shutdown instead.
+        """
+        codes = []
+        deadline = time.monotonic() + _WORKER_EXIT_GRACE_S
+        for index, worker in enumerate(self._workers):
+            try:
+                codes.append(worker.wait(timeout=max(0.0, deadline - time.monotonic())))
+                continue
+            except subprocess.TimeoutExpired:
+                _signal_group(worker, signal.SIGTERM)
+            try:
+                codes.append(worker.wait(timeout=_KILL_WAIT_S))
+            except subprocess.TimeoutExpired:
+                raise SwarmError(
+                    f"locust worker {index} did not quit after the master ended; log {self.spec.logs}/worker-{index}.log"
+                ) from None
+        return codes
+
+    def _result(self, master_code: int, worker_codes: list[int], duration_s: float) -> SwarmResult:
+        spec = self.spec
+        master_log = spec.logs / "master.log"
+        if master_code != 0:
+            raise SwarmError(f"locust master exited with code {master_code}; log {master_log}:\n{_tail(master_log)}")
+        for index, code in enumerate(worker_codes):
+            if code != 0:
+                log = spec.logs / f"worker-{index}.log"
+                raise SwarmError(f"locust worker {index} exited with code {code}; log {log}:\n{_tail(log)}")
+        summary_path = summary_path_for(spec.records_path)
+        if not summary_path.exists():
+            raise SwarmError(f"the master wrote no collection summary ({summary_path}); log {master_log}")
+        summary = CollectionSummary.read(summary_path)
+        problems = summary.describe_problems()
+        if spec.n_workers and len(summary.workers) != spec.n_workers:
+            problems.append(f"{len(summary.workers)} workers reported records, {spec.n_workers} were started")
+        with open(spec.records_path, "rb") as records:
+            lines = sum(1 for line in records if line.strip())
+        if lines != summary.records_written:
+            problems.append(f"the records file holds {lines} records, the master counted {summary.records_written}")
+        if problems:
+            raise SwarmError("records incomplete: " + "; ".join(problems) + f"; logs in {spec.logs}")
+        return SwarmResult(
+            records_path=spec.records_path,
+            n_records=summary.records_written,
+            summary=summary,
+            master_exit_code=master_code,
+            worker_exit_codes=worker_codes,
+            duration_s=duration_s,
+            log_dir=spec.logs,
+        )
+
+
+def _signal_group(process: subprocess.Popen[bytes], sig: signal.Signals) -> None:
+    # only while the leader lives: the group id is then certainly still this process's
+    if process.poll() is not None:
+        return
+    try:
+        os.killpg(process.pid, sig)
+    except (ProcessLookupError, PermissionError):
+        pass

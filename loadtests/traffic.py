@@ -1,0 +1,89 @@
+"""This process's share of the load test's traffic: which prompt, which arm, and when.
+
+One `TrafficShare` per Locust process (worker or local run), shared by its users. The
+global request sequence is cut into interleaved slots: the process in slot s of n sends
+prompts s, s + n, s + 2n, ... and, in open loop, its share of the global arrival
+schedule. Users take tickets one at a time; a user that is busy when its ticket's time
+comes sends late, and the record shows by how much.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+from loadtests.arrivals import ArrivalSchedule, arrival_schedule
+from loadtests.datasets import Prompt, PromptSource, open_prompt_source
+from loadtests.openai_stream import StreamRequest
+from loadtests.options import TrafficOptions
+
+
+@dataclass(frozen=True)
+class SlotPlan:
+    """Where this process sits in the partition, and when the schedule starts (epoch s)."""
+
+    slot: int
+    n_slots: int
+    start_at: float
+
+    def __post_init__(self) -> None:
+        if self.n_slots < 1 or not 0 <= self.slot < self.n_slots:
+            raise ValueError(f"slot {self.slot} is not in 0..{self.n_slots - 1}")
+
+
+@dataclass(frozen=True)
+class RequestTicket:
+    """The next request a user should send."""
+
+    sequence: int  # position in this process's request sequence
+    prompt: Prompt
+    request: StreamRequest
+    scheduled_at: float | None  # open loop: the targeted send time
+
+
+class TrafficShare:
+    def __init__(self, options: TrafficOptions, plan: SlotPlan, prompts: PromptSource | None = None) -> None:
+        self.options = options
+        self.plan = plan
+        self.prompts = prompts if prompts is not None else open_prompt_source(
+            options.dataset,
+            path=options.dataset_path,
+            input_tokens=options.input_tokens,
+            output_tokens=options.synthetic_output_tokens,
+            seed=options.seed,
+        )
+        if self.prompts.has_chats and options.endpoint != "chat":
+            raise ValueError("the dataset holds chat conversations: use --mtp-endpoint chat")
+        self.arrivals: ArrivalSchedule | None = None
+        if options.rate is not None:
+            self.arrivals = arrival_schedule(
+                options.arrival,
+                options.rate,
+                plan.start_at,
+                burstiness=options.burstiness,
+                seed=options.seed,
+                slot=plan.slot,
+                n_slots=plan.n_slots,
+            )
+        # resolved once per process from /v1/models when the options name no model
+        self.model: str | None = options.model
+        self._issued = 0
+
+    def next_ticket(self) -> RequestTicket:
+        sequence = self._issued
+        self._issued += 1
+        arms = self.options.pinned_arms
+        # with pinned arms every prompt goes to each arm in turn: both arms see the same prompts
+        prompt_number, arm_number = divmod(sequence, len(arms)) if arms else (sequence, 0)
+        prompt = self.prompts.prompt(self.plan.slot + self.plan.n_slots * prompt_number)
+        request = StreamRequest(
+            endpoint=self.options.endpoint,
+            model=self.model,
+            max_tokens=prompt.max_tokens or self.options.max_tokens,
+            prompt=prompt.text,
+            messages=prompt.messages,
+            temperature=self.options.temperature,
+            ignore_eos=prompt.ignore_eos if prompt.ignore_eos is not None else self.options.ignore_eos,
+            pinned_arm=arms[arm_number] if arms else None,
+        )
+        scheduled_at = self.arrivals.next_send_time() if self.arrivals is not None else None
+        return RequestTicket(sequence=sequence, prompt=prompt, request=request, scheduled_at=scheduled_at)

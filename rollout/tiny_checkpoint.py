@@ -1,0 +1,292 @@
+"""A tiny MiMo-V2 checkpoint with constructed weights, loadable by vLLM's real loader.
+
+MiMo-V2.5 needs four H200s; this checkpoint runs the same vLLM code paths
+(``MiMoV2ForCausalLM`` + the ``mimo_v2_mtp`` draft model behind
+``{"method": "mtp"}``) on a CPU, and its behaviour is known exactly:
+
+* Every ``o_proj`` and ``down_proj`` is zero, so each decoder layer adds nothing
+  and the residual stream carries the current token's embedding to the final norm.
+* ``lm_head`` row ``j`` is the normalised embedding of ``predecessor(j)`` under a
+  fixed random cycle over the ordinary tokens, so the greedy next token is
+  ``successor(current token)``: greedy continuations are known in advance
+  (``golden.jsonl``) and accuracy is exact.
+* The MTP layer's ``eh_proj`` is ``[I + noise, 0]``: it reads the embedding of
+  the token it is given and ignores the hidden state, so with no noise it
+  predicts the successor too (drafts accepted); noise makes some tokens'
+  drafts wrong, deterministically per token, which controls the acceptance rate.
+* ``--broken`` rewires part of ``lm_head`` so greedy outputs differ from the
+  unbroken checkpoint (a canary whose outputs are corrupted).
+
+The tokenizer is a byte-level BPE trained here on the vendored gsm8k text, so
+the same checkpoint serves gsm8k prompts (its answers are nonsense, but both
+arms produce the same nonsense when lossless).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import asdict, dataclass
+from pathlib import Path
+
+import numpy as np
+
+GSM8K_DIR = Path(__file__).parent / "data" / "gsm8k"
+EOS_TOKEN = "<|endoftext|>"
+SPECIAL_TOKENS = [EOS_TOKEN]
+ARCHITECTURE = "MiMoV2ForCausalLM"  # the MiMo-V2.5 architecture (fused qkv_proj)
+
+# A chat template so /v1/chat/completions works; plain role-prefixed turns.
+CHAT_TEMPLATE = (
+    "{% for message in messages %}{{ message['role'] }}: {{ message['content'] }}\n"
+    "{% endfor %}{% if add_generation_prompt %}assistant:{% endif %}"
+)
+
+
+@dataclass(frozen=True)
+class TinyCheckpointSpec:
+    """What to build. Defaults are sized for 2 CPU cores (see the closing notes of issue 2)."""
+
+    draft_noise: float = 0.0
+    broken: bool = False
+    broken_fraction: float = 0.5
+    mtp_layers: int = 1
+    seed: int = 0
+    vocab_size: int = 2048
+    hidden_size: int = 1024
+    num_layers: int = 8
+    intermediate_size: int = 4096
+    num_heads: int = 16
+    num_kv_heads: int = 4
+    head_dim: int = 64
+    sliding_window: int = 128
+    max_position_embeddings: int = 4096
+    golden_prompts: int = 64
+    golden_continuation: int = 24
+
+    def __post_init__(self) -> None:
+        if self.draft_noise < 0:
+            raise ValueError("draft_noise must be >= 0")
+        if self.mtp_layers < 1:
+            raise ValueError("mtp_layers must be >= 1")
+        if not 0 < self.broken_fraction <= 1:
+            raise ValueError("broken_fraction must be in (0, 1]")
+        if self.head_dim < 32:
+            # vLLM's CPU attention rejects head_dim 16 (measured); 64 works.
+            raise ValueError("head_dim must be >= 32 for vLLM's CPU attention")
+        if self.num_heads * self.head_dim != self.hidden_size:
+            raise ValueError("num_heads * head_dim must equal hidden_size")
+
+
+def _train_tokenizer(vocab_size: int):
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, trainers
+
+    tokenizer = Tokenizer(models.BPE())
+    tokenizer.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tokenizer.decoder = decoders.ByteLevel()
+    trainer = trainers.BpeTrainer(
+        vocab_size=vocab_size,
+        special_tokens=SPECIAL_TOKENS,
+        initial_alphabet=pre_tokenizers.ByteLevel.alphabet(),
+        show_progress=False,
+    )
+
+    def corpus():
+        # Deterministic: the trainer sees the same lines in the same order.
+        with open(GSM8K_DIR / "train.jsonl", encoding="utf-8") as f:
+            for i, line in enumerate(f):
+                if i >= 3000:
+                    break
+                item = json.loads(line)
+                yield item["question"]
+                yield item["answer"]
+
+    tokenizer.train_from_iterator(corpus(), trainer=trainer)
+    return tokenizer
+
+
+def _config_json(spec: TinyCheckpointSpec, vocab_size: int) -> dict:
+    n = spec.num_layers
+    # Layer 0 global attention, the rest sliding window, as MiMo-V2 mixes them.
+    hybrid_pattern = [0] + [1] * (n - 1)
+    return {
+        "architectures": [ARCHITECTURE],
+        # transformers parses the file with its native MiMo-V2-Flash config; vLLM
+        # reads the remote-code field names below (hybrid_layer_pattern, swa_*, ...).
+        "model_type": "mimo_v2_flash",
+        "vocab_size": vocab_size,
+        "hidden_size": spec.hidden_size,
+        "intermediate_size": spec.intermediate_size,
+        "num_hidden_layers": n,
+        "num_attention_heads": spec.num_heads,
+        "num_key_value_heads": spec.num_kv_heads,
+        "head_dim": spec.head_dim,
+        "v_head_dim": spec.head_dim,  # CPU attention needs v_head_dim == head_dim
+        "swa_num_attention_heads": spec.num_heads,
+        "swa_num_key_value_heads": spec.num_kv_heads,
+        "swa_head_dim": spec.head_dim,
+        "swa_v_head_dim": spec.head_dim,
+        "sliding_window_size": spec.sliding_window,
+        "sliding_window": spec.sliding_window,
+        "hybrid_layer_pattern": hybrid_pattern,
+        "layer_types": ["sliding_attention" if p else "full_attention" for p in hybrid_pattern],
+        "moe_layer_freq": [0] * n,
+        "mlp_layer_types": ["dense"] * n,
+        "n_routed_experts": 8,
+        "num_experts_per_tok": 2,
+        "moe_intermediate_size": 256,
+        "hidden_act": "silu",
+        "attention_bias": False,
+        "layernorm_epsilon": 1e-6,
+        "rms_norm_eps": 1e-6,
+        "rope_theta": 10000.0,
+        "swa_rope_theta": 10000.0,
+        "partial_rotary_factor": 1.0,
+        "max_position_embeddings": spec.max_position_embeddings,
+        "num_nextn_predict_layers": spec.mtp_layers,
+        "tie_word_embeddings": False,
+        "torch_dtype": "bfloat16",
+        "bos_token_id": 0,
+        "eos_token_id": 0,
+        "pad_token_id": 0,
+        "mtp_canary_tiny": asdict(spec),
+    }
+
+
+def _successor_cycle(rng: np.random.Generator, n_special: int, vocab: int) -> np.ndarray:
+    """successor[t] for every token: one random cycle over the ordinary tokens.
+
+    One cycle (not any permutation) so greedy chains never fall into short loops.
+    Special tokens map to themselves and are never predicted.
+    """
+    order = rng.permutation(np.arange(n_special, vocab))
+    successor = np.arange(vocab)
+    successor[order] = np.roll(order, -1)
+    return successor
+
+
+def build_weights(spec: TinyCheckpointSpec, vocab_size: int, n_special: int):
+    """Constructed tensors (name -> torch tensor) and the greedy successor map."""
+    import torch
+
+    rng = np.random.default_rng(spec.seed)
+    h, inter = spec.hidden_size, spec.intermediate_size
+    q_size = spec.num_heads * spec.head_dim
+    kv_size = spec.num_kv_heads * spec.head_dim
+    qkv_rows = q_size + 2 * kv_size
+
+    def rand(*shape, scale):
+        return torch.from_numpy(rng.standard_normal(shape, dtype=np.float32) * scale)
+
+    embed = rand(vocab_size, h, scale=1.0 / math.sqrt(h))
+    successor = _successor_cycle(rng, n_special, vocab_size)
+    if spec.broken:
+        # Reroute a fraction of tokens to another token's successor: the output
+        # chain differs from the golden one as soon as it meets such a token.
+        ordinary = np.arange(n_special, vocab_size)
+        rerouted = rng.choice(ordinary, size=int(len(ordinary) * spec.broken_fraction), replace=False)
+        successor[rerouted] = successor[rng.permutation(rerouted)]
+
+    # lm_head row j = scaled unit embedding of every t with successor(t) == j,
+    # so logits(x) peak at successor(x). Scale ~15 keeps greedy margins wide.
+    unit = embed / embed.norm(dim=1, keepdim=True)
+    lm_head = torch.zeros(vocab_size, h)
+    logit_scale = 15.0 / math.sqrt(h)
+    for t in range(n_special, vocab_size):
+        lm_head[successor[t]] += unit[t] * logit_scale
+
+    zeros = torch.zeros
+    tensors: dict[str, "torch.Tensor"] = {
+        "model.embed_tokens.weight": embed,
+        "model.norm.weight": torch.ones(h),
+        "lm_head.weight": lm_head,
+    }
+
+    def block(prefix: str) -> None:
+        # Attention and MLP do real work (their cost is what speculation saves)
+        # but write nothing into the residual stream (o_proj, down_proj zero).
+        tensors[f"{prefix}.self_attn.qkv_proj.weight"] = rand(qkv_rows, h, scale=0.02)
+        tensors[f"{prefix}.self_attn.o_proj.weight"] = zeros(h, q_size)
+        tensors[f"{prefix}.mlp.gate_proj.weight"] = rand(inter, h, scale=0.02)
+        tensors[f"{prefix}.mlp.up_proj.weight"] = rand(inter, h, scale=0.02)
+        tensors[f"{prefix}.mlp.down_proj.weight"] = zeros(h, inter)
+
+    for i in range(spec.num_layers):
+        p = f"model.layers.{i}"
+        block(p)
+        tensors[f"{p}.input_layernorm.weight"] = torch.ones(h)
+        tensors[f"{p}.post_attention_layernorm.weight"] = torch.ones(h)
+
+    for i in range(spec.mtp_layers):
+        p = f"model.mtp.layers.{i}"
+        block(p)
+        # Layer 0 carries the configured noise; later layers (which vLLM 0.32
+        # never loads for MiMo-V2) are exact, as a trained checkpoint's would be.
+        noise = spec.draft_noise if i == 0 else 0.0
+        e_part = torch.eye(h) + rand(h, h, scale=noise / math.sqrt(h))
+        tensors[f"{p}.eh_proj.weight"] = torch.cat([e_part, zeros(h, h)], dim=1)
+        for norm in ("enorm", "hnorm", "input_layernorm", "pre_mlp_layernorm", "final_layernorm"):
+            tensors[f"{p}.{norm}.weight"] = torch.ones(h)
+
+    return {k: v.to(torch.bfloat16).contiguous() for k, v in tensors.items()}, successor
+
+
+def golden_items(spec: TinyCheckpointSpec, successor: np.ndarray, n_special: int) -> list[dict]:
+    """Prompts (token ids) and the exact greedy continuation the checkpoint must produce."""
+    rng = np.random.default_rng(spec.seed + 1)
+    items = []
+    for i in range(spec.golden_prompts):
+        length = int(rng.integers(6, 24))
+        prompt = rng.integers(n_special, len(successor), size=length).tolist()
+        expected, token = [], prompt[-1]
+        for _ in range(spec.golden_continuation):
+            token = int(successor[token])
+            expected.append(token)
+        items.append({"id": f"golden-{i}", "prompt_token_ids": prompt, "expected_token_ids": expected})
+    return items
+
+
+def write_checkpoint(out_dir: str | Path, spec: TinyCheckpointSpec) -> Path:
+    """Write config.json, tokenizer files, model.safetensors and golden.jsonl into out_dir."""
+    from safetensors.torch import save_file
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    tokenizer = _train_tokenizer(spec.vocab_size)
+    vocab_size = tokenizer.get_vocab_size()
+    n_special = len(SPECIAL_TOKENS)
+    tokenizer.save(str(out / "tokenizer.json"))
+    (out / "tokenizer_config.json").write_text(
+        json.dumps(
+            {
+                "tokenizer_class": "PreTrainedTokenizerFast",
+                "eos_token": EOS_TOKEN,
+                "bos_token": EOS_TOKEN,
+                "pad_token": EOS_TOKEN,
+                "model_max_length": spec.max_position_embeddings,
+                "add_bos_token": False,
+                "chat_template": CHAT_TEMPLATE,
+            },
+            indent=2,
+        )
+    )
+    (out / "generation_config.json").write_text(json.dumps({"eos_token_id": 0, "bos_token_id": 0}))
+    (out / "config.json").write_text(json.dumps(_config_json(spec, vocab_size), indent=2))
+    tensors, successor = build_weights(spec, vocab_size, n_special)
+    save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
+    with open(out / "golden.jsonl", "w", encoding="utf-8") as f:
+        for item in golden_items(spec, successor, n_special):
+            item["prompt"] = tokenizer.decode(item["prompt_token_ids"])
+            f.write(json.dumps(item) + "\n")
+    return out
+
+
+def ensure_checkpoint(out_dir: str | Path, spec: TinyCheckpointSpec) -> Path:
+    """Write the checkpoint unless out_dir already holds one built from the same spec."""
+    out = Path(out_dir)
+    config = out / "config.json"
+    if config.exists() and (out / "model.safetensors").exists() and (out / "golden.jsonl").exists():
+        built = json.loads(config.read_text()).get("mtp_canary_tiny")
+        if built == asdict(spec):
+            return out
+    return write_checkpoint(out, spec)

@@ -1,0 +1,212 @@
+"""SSE parsing, the reading of OpenAI stream chunks, and the client's timing against a
+target that streams on a known schedule (benchmarks/stream_target.py)."""
+
+from __future__ import annotations
+
+import json
+import statistics
+import sys
+from pathlib import Path
+
+import gevent
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
+
+from benchmarks.stream_target import TargetProcess, TokenSchedule  # noqa: E402
+from loadtests.openai_stream import (  # noqa: E402
+    OpenAIStreamClient,
+    RecordLabels,
+    StreamRequest,
+    summarise_events,
+)
+from loadtests.sse import TimedEvent, parse_events  # noqa: E402
+
+LABELS = RecordLabels(request_id="r", tag="test", worker="pytest")
+
+
+def sse(payload) -> bytes:
+    data = payload if isinstance(payload, str) else json.dumps(payload)
+    return f"data: {data}\n\n".encode()
+
+
+def completion_chunk(text, finish=None):
+    return {"object": "text_completion", "choices": [{"index": 0, "text": text, "finish_reason": finish}], "usage": None}
+
+
+def chat_chunk(delta, finish=None):
+    return {"object": "chat.completion.chunk", "choices": [{"index": 0, "delta": delta, "finish_reason": finish}]}
+
+
+def usage_chunk(completion_tokens, prompt_tokens=5):
+    return {"choices": [], "usage": {"prompt_tokens": prompt_tokens, "completion_tokens": completion_tokens}}
+
+
+# --- SSE framing ---------------------------------------------------------------------
+
+
+def test_events_survive_any_split_of_the_bytes():
+    stream = b"".join([
+        b": keep-alive comment\n\n",
+        sse(completion_chunk(" a")),
+        b"event: message\r\ndata: {\"x\":\r\ndata: 1}\r\n\r\n",  # CRLF, a two-line data field
+        b"data:no-space\n\n",
+        b"data: [DONE]\n\n",
+    ])
+    whole = [e.data for e in parse_events([(0.0, stream)])]
+    assert whole == [json.dumps(completion_chunk(" a")), '{"x":\n1}', "no-space", "[DONE]"]
+    for cut in range(1, len(stream)):
+        pieces = [(1.0, stream[:cut]), (2.0, stream[cut:])]
+        assert [e.data for e in parse_events(pieces)] == whole, cut
+
+
+def test_an_event_is_stamped_when_its_data_line_completed():
+    pieces = [(1.0, b"data: {\"a\""), (2.0, b": 1}\n"), (3.0, b"\n"), (4.0, b"data: [DONE]\n\n")]
+    assert parse_events(pieces) == [TimedEvent(2.0, '{"a": 1}'), TimedEvent(4.0, "[DONE]")]
+
+
+def test_a_last_event_without_its_blank_line_is_kept():
+    assert [e.data for e in parse_events([(1.0, b"data: [DONE]")])] == ["[DONE]"]
+    assert [e.data for e in parse_events([(1.0, b"data: [DONE]\n")])] == ["[DONE]"]
+
+
+# --- reading OpenAI chunks -----------------------------------------------------------
+
+
+def timed(*payloads, start=0.0, step=0.01):
+    return [TimedEvent(start + i * step, p if isinstance(p, str) else json.dumps(p)) for i, p in enumerate(payloads)]
+
+
+def test_completion_stream_with_several_tokens_per_chunk():
+    events = timed(
+        completion_chunk(" t"), completion_chunk(" t t t t"), completion_chunk(" t t t t", "length"),
+        usage_chunk(9), "[DONE]", start=0.05, step=0.04,
+    )
+    outcome = summarise_events(events, started_s=0.0, endpoint="completions")
+    assert outcome.ttft_s == pytest.approx(0.05)
+    assert outcome.chunks == 3
+    assert outcome.output_tokens == 9
+    assert outcome.prompt_tokens == 5
+    assert outcome.finish_reason == "length"
+    assert outcome.saw_done and outcome.error is None
+
+
+def test_chat_role_announcement_is_not_a_token():
+    events = timed(
+        chat_chunk({"role": "assistant", "content": ""}),
+        chat_chunk({"content": "Hi"}),
+        chat_chunk({"content": ""}),  # a step whose tokens are half a character so far
+        chat_chunk({"content": ""}, "stop"),  # the EOS step
+        usage_chunk(4), "[DONE]", start=1.0, step=0.1,
+    )
+    outcome = summarise_events(events, started_s=0.5, endpoint="chat")
+    assert outcome.ttft_s == pytest.approx(0.6)  # the "Hi" chunk, not the role chunk at 0.5
+    assert outcome.chunks == 3
+    assert outcome.finish_reason == "stop"
+
+
+def test_reasoning_content_counts_as_output():
+    events = timed(chat_chunk({"role": "assistant", "reasoning_content": "think"}), usage_chunk(1), "[DONE]")
+    outcome = summarise_events(events, started_s=0.0, endpoint="chat")
+    assert outcome.chunks == 1 and outcome.ttft_s == 0.0
+
+
+@pytest.mark.parametrize(
+    "events, message",
+    [
+        (timed(completion_chunk(" a")), "stream ended before [DONE]"),
+        ([], "no SSE events"),
+        (timed(completion_chunk(" a"), {"error": {"message": "engine died", "code": 500}}, "[DONE]"),
+         "server error in stream: engine died"),
+        (timed("not json", "[DONE]"), "unparseable SSE data"),
+    ],
+)
+def test_broken_streams_are_errors(events, message):
+    assert message in summarise_events(events, 0.0, "completions").error
+
+
+def test_no_usage_means_no_token_count():
+    outcome = summarise_events(timed(completion_chunk(" a"), completion_chunk(" b"), "[DONE]"), 0.0, "completions")
+    assert outcome.output_tokens is None and outcome.chunks == 2 and outcome.error is None
+
+
+def test_request_body_asks_for_usage():
+    body = StreamRequest(endpoint="completions", model="m", max_tokens=8, prompt="p", ignore_eos=True).body()
+    assert body == {"model": "m", "prompt": "p", "max_tokens": 8, "temperature": 0.0, "stream": True,
+                    "stream_options": {"include_usage": True}, "ignore_eos": True}
+    chat = StreamRequest(endpoint="chat", model=None, max_tokens=8, prompt="hello").body()
+    assert chat["messages"] == [{"role": "user", "content": "hello"}] and "model" not in chat
+    assert "ignore_eos" not in chat
+    with pytest.raises(ValueError):
+        StreamRequest(endpoint="completions", model=None, max_tokens=8)
+
+
+# --- the client against a target with a known schedule -------------------------------
+
+
+def test_schedule_of_the_target():
+    schedule = TokenSchedule(ttft_s=0.05, tpot_s=0.01, tokens_per_chunk=4)
+    plan = schedule.chunks(10)
+    assert [size for _, size in plan] == [1, 4, 4, 1]
+    assert plan[0][0] == pytest.approx(0.05) and plan[-1][0] == pytest.approx(0.05 + 9 * 0.01)
+
+
+TTFT_S, TPOT_S = 0.040, 0.005
+
+
+@pytest.fixture(scope="module", params=[1, 4], ids=["1-token-chunks", "4-token-chunks"])
+def scheduled_target(request):
+    with TargetProcess(ttft_ms=TTFT_S * 1000, tpot_ms=TPOT_S * 1000, tokens_per_chunk=request.param,
+                       arm="baseline", replica="baseline-0") as target:
+        yield target, request.param
+
+
+@pytest.mark.parametrize("endpoint", ["completions", "chat"])
+def test_client_timing_matches_the_known_schedule(scheduled_target, endpoint):
+    target, tokens_per_chunk = scheduled_target
+    client = OpenAIStreamClient(target.url)
+    try:
+        records = [
+            client.stream(StreamRequest(endpoint=endpoint, model=None, max_tokens=33, prompt="a b c"), LABELS).record
+            for _ in range(5)
+        ]
+    finally:
+        client.close()
+    assert all(r.ok for r in records), records[0].error
+    record = records[0]
+    assert (record.arm, record.replica, record.output_tokens, record.prompt_tokens) == ("baseline", "baseline-0", 33, 3)
+    assert record.chunks == 1 + 32 // tokens_per_chunk
+    # the target's asyncio timers wake up to ~1 ms late; a 2-core box shared with others adds noise
+    ttft_error_ms = (statistics.median(r.ttft_s for r in records) - TTFT_S) * 1000
+    tpot_rel_error = statistics.median(r.tpot_s for r in records) / TPOT_S - 1
+    assert -0.5 < ttft_error_ms < 5.0
+    assert abs(tpot_rel_error) < 0.03
+
+
+def test_failures_become_records_not_exceptions():
+    with TargetProcess(ttft_ms=1, tpot_ms=1) as target:
+        wrong_path = OpenAIStreamClient(target.url + "/no-such-prefix")
+        record = wrong_path.stream(StreamRequest(endpoint="completions", model="m", max_tokens=2, prompt="x"),
+                                   LABELS).record
+        wrong_path.close()
+        url = target.url
+    assert (record.ok, record.status) == (False, 404) and record.error.startswith("HTTP 404")
+    # the target is gone now: nobody listens on its port
+    refused = OpenAIStreamClient(url, connect_timeout_s=2).stream(
+        StreamRequest(endpoint="completions", model="m", max_tokens=2, prompt="x"), LABELS).record
+    assert (refused.ok, refused.status, refused.ttft_s) == (False, 0, None) and refused.error
+
+
+def test_a_request_killed_mid_stream_still_leaves_a_record():
+    with TargetProcess(ttft_ms=20, tpot_ms=20) as target:
+        client = OpenAIStreamClient(target.url)
+        kept = []
+        request = StreamRequest(endpoint="completions", model="m", max_tokens=100, prompt="x")
+        greenlet = gevent.spawn(client.stream, request, LABELS, kept.append)
+        gevent.sleep(0.3)
+        greenlet.kill()
+        client.close()
+    assert len(kept) == 1
+    record = kept[0]
+    assert record.cancelled and not record.ok and record.status == 200
+    assert 0.020 <= record.ttft_s < 0.3 and 1 < record.chunks < 100

@@ -1,0 +1,164 @@
+"""Real Locust runs (master and workers as processes) against the benchmark stream target:
+every request sent is recorded exactly once, the timing matches the target's schedule,
+a dead worker fails the run, and no Locust process outlives its Swarm or its parent."""
+
+from __future__ import annotations
+
+import collections
+import os
+import signal
+import statistics
+import subprocess
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO))
+
+from benchmarks.stream_target import TargetProcess  # noqa: E402
+from loadtests.options import TrafficOptions  # noqa: E402
+from loadtests.records import read_records  # noqa: E402
+from loadtests.swarm import Swarm, SwarmError, SwarmSpec  # noqa: E402
+
+TTFT_S, TPOT_S, TOKENS = 0.040, 0.005, 33
+
+
+def alive(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
+def wait_until_gone(pids, timeout_s: float) -> list[int]:
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline and any(alive(p) for p in pids):
+        time.sleep(0.2)
+    return [p for p in pids if alive(p)]
+
+
+def test_importing_the_swarm_keeps_gevent_out():
+    # the Swarm runs inside Ray processes: gevent's monkey patching must never get there
+    code = "import sys, loadtests.swarm; assert not {'gevent', 'locust'} & set(sys.modules), sys.modules.keys()"
+    subprocess.run([sys.executable, "-c", code], cwd=REPO, check=True)
+
+
+def test_distributed_open_loop_run_records_every_request_once(tmp_path):
+    with TargetProcess(ttft_ms=TTFT_S * 1000, tpot_ms=TPOT_S * 1000, tokens_per_chunk=4) as target:
+        spec = SwarmSpec(
+            host=target.url,
+            users=4,
+            run_time_s=4,
+            n_workers=2,
+            stop_timeout_s=10,  # in-flight requests finish: none is cancelled
+            traffic=TrafficOptions(records=str(tmp_path / "records.jsonl"), tag="experiment", max_tokens=TOKENS,
+                                   rate=10.0, arrival="poisson", arm_pin="baseline,canary", seed=1),
+        )
+        progress = []
+        swarm = Swarm(spec, on_progress=progress.append, progress_interval_s=0.5)
+        result = swarm.run(timeout_s=60)
+        served = target.stats()
+
+    records = read_records(result.records_path)
+    # nothing dropped, nothing doubled: one record per request the server saw
+    assert result.n_records == len(records) == served["started"] == served["completed"] > 20
+    assert len({r.request_id for r in records}) == len(records)
+    assert sum(w.records_sent for w in result.summary.workers) == len(records)
+    assert len(result.summary.workers) == 2 and all(w.complete for w in result.summary.workers)
+    assert result.worker_exit_codes == [0, 0] and result.master_exit_code == 0
+    assert all(r.ok and not r.cancelled and r.tag == "experiment" for r in records)
+
+    # arm pinning: the arms the server saw, and every prompt to both arms
+    arms = collections.Counter(r.arm for r in records)
+    assert arms == collections.Counter(served["by_arm"]) and set(arms) == {"baseline", "canary"}
+    by_prompt = collections.defaultdict(list)
+    for record in records:
+        by_prompt[record.dataset_index].append(record.arm)
+    assert all(sorted(a) == ["baseline", "canary"] for a in by_prompt.values() if len(a) == 2)
+    assert sum(len(a) == 2 for a in by_prompt.values()) >= len(by_prompt) - 4  # a user may stop between the two
+
+    # the target's schedule, seen through Locust on a busy 2-core box
+    ttft_error_ms = (statistics.median(r.ttft_s for r in records) - TTFT_S) * 1000
+    tpot_rel_error = statistics.median(r.tpot_s for r in records) / TPOT_S - 1
+    print(f"swarm fidelity: TTFT median error {ttft_error_ms:.2f} ms, TPOT median error {tpot_rel_error:.2%}, "
+          f"send lag median {statistics.median(r.send_lag_s for r in records) * 1000:.2f} ms")
+    assert -0.5 < ttft_error_ms < 10.0
+    assert abs(tpot_rel_error) < 0.03
+    assert all(r.output_tokens == TOKENS and r.chunks == 9 and r.decode_tokens_per_chunk == 4.0 for r in records)
+    # open loop: every request had a targeted time, and the generator kept up with it
+    assert all(r.scheduled_at is not None for r in records)
+    assert statistics.median(r.send_lag_s for r in records) < 0.05
+
+    assert progress and progress[-1].requests_done == len(records)
+    assert [p.requests_done for p in progress] == sorted(p.requests_done for p in progress)
+    assert wait_until_gone(swarm.pids, 1.0) == []
+
+
+def test_local_run_keeps_records_of_requests_cut_off_at_the_end(tmp_path):
+    with TargetProcess(ttft_ms=20, tpot_ms=20, tokens_per_chunk=1) as target:
+        spec = SwarmSpec(
+            host=target.url, users=3, run_time_s=3, n_workers=0, stop_timeout_s=0,  # in-flight requests are cut
+            traffic=TrafficOptions(records=str(tmp_path / "local.jsonl"), max_tokens=40, endpoint="chat"),
+        )
+        swarm = Swarm(spec)
+        result = swarm.run(timeout_s=60)
+        served = target.stats()
+    records = read_records(result.records_path)
+    cancelled = [r for r in records if r.cancelled]
+    assert result.n_records == len(records) and [w.worker for w in result.summary.workers] == ["local"]
+    assert 1 <= len(cancelled) <= 3  # the users' in-flight requests, kept and marked
+    assert all(not r.ok and r.status == 200 for r in cancelled)
+    assert all(r.ok for r in records if not r.cancelled)
+    # every request the server saw has a record (a cut-off one may not have reached it)
+    assert served["started"] <= len(records) <= served["started"] + len(cancelled)
+    assert served["completed"] >= len(records) - len(cancelled)
+    assert wait_until_gone(swarm.pids, 1.0) == []
+
+
+def test_a_worker_that_dies_fails_the_run(tmp_path):
+    with TargetProcess(ttft_ms=10, tpot_ms=5) as target:
+        spec = SwarmSpec(host=target.url, users=2, run_time_s=30, n_workers=2,
+                         traffic=TrafficOptions(records=str(tmp_path / "r.jsonl"), max_tokens=10))
+        swarm: Swarm
+
+        def kill_a_worker_once_traffic_flows(progress):
+            if progress.requests_done > 0 and progress.workers_alive == 2:
+                os.kill(swarm.worker_pids[0], signal.SIGKILL)
+
+        swarm = Swarm(spec, on_progress=kill_a_worker_once_traffic_flows, progress_interval_s=0.2)
+        started = time.monotonic()
+        with pytest.raises(SwarmError, match="worker 0 died"):
+            swarm.run(timeout_s=60)
+    assert time.monotonic() - started < 20  # failed at once, not at the end of the 30 s run
+    assert wait_until_gone(swarm.pids, 1.0) == []
+
+
+def test_locust_processes_exit_when_their_parent_is_killed(tmp_path):
+    with TargetProcess(ttft_ms=10, tpot_ms=5) as target:
+        driver = textwrap.dedent(f"""
+            import sys
+            sys.path.insert(0, {str(REPO)!r})
+            from loadtests.options import TrafficOptions
+            from loadtests.swarm import Swarm, SwarmSpec
+            spec = SwarmSpec(host={target.url!r}, users=2, run_time_s=60, n_workers=1,
+                             traffic=TrafficOptions(records={str(tmp_path / "r.jsonl")!r}, max_tokens=10))
+            swarm = None
+            def report(progress):
+                if progress.requests_done:
+                    print(*swarm.pids, flush=True)
+            swarm = Swarm(spec, on_progress=report, progress_interval_s=0.2)
+            swarm.run()
+        """)
+        parent = subprocess.Popen([sys.executable, "-c", driver], stdout=subprocess.PIPE, text=True)
+        try:
+            pids = [int(p) for p in parent.stdout.readline().split()]
+        finally:
+            parent.kill()  # no chance to clean up: like a Ray worker killed hard
+            parent.wait()
+        assert len(pids) == 2
+        assert wait_until_gone(pids, 10.0) == []
