@@ -162,3 +162,16 @@ def test_locust_processes_exit_when_their_parent_is_killed(tmp_path):
             parent.wait()
         assert len(pids) == 2
         assert wait_until_gone(pids, 10.0) == []
+
+
+def test_an_interrupt_kills_every_locust_process(tmp_path):
+    spec = SwarmSpec(host="http://127.0.0.1:9", users=2, run_time_s=60, n_workers=2,
+                     traffic=TrafficOptions(records=str(tmp_path / "r.jsonl")))
+
+    def interrupt(_progress):
+        raise KeyboardInterrupt  # what Ctrl-C in the driver looks like
+
+    swarm = Swarm(spec, on_progress=interrupt)
+    with pytest.raises(KeyboardInterrupt):
+        swarm.run()
+    assert len(swarm.pids) == 3 and wait_until_gone(swarm.pids, 1.0) == []

@@ -1,0 +1,162 @@
+"""The run config: what to compare, how to load it, how to judge it.
+
+`load_config(path)` reads YAML into a validated `RolloutConfig`; anything wrong
+raises `ConfigError` with one line naming the field (the CLI exits 2 with it,
+before anything starts).
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from cluster.engine_spec import EngineSpec
+from rollout.evals import EvalSpec
+from rollout.gates import GatesConfig
+
+BASELINE, CANARY, TWIN = "baseline", "canary", "twin"
+DEFAULT_CACHE = Path(os.environ.get("MTP_CANARY_CACHE", Path.home() / ".cache" / "mtp-canary"))
+
+
+class ConfigError(ValueError):
+    """A config that cannot run; the message is one line naming the field."""
+
+
+class TinyModelOptions(BaseModel):
+    """Serve the project's tiny MiMo-V2 checkpoint (written on first use into the cache)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    draft_noise: float = Field(0.0, ge=0, description="MTP draft noise: 0 = drafts always right")
+    broken: bool = Field(False, description="outputs differ from the golden continuations")
+    mtp_layers: int = Field(1, ge=1)
+    seed: int = 0
+    num_layers: int | None = Field(None, ge=1, description="override the default depth (tests use a smaller one)")
+
+
+class ArmConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    replicas: int = Field(1, ge=1)
+    engine: EngineSpec
+    tiny_model: TinyModelOptions | None = Field(
+        None, description="write the tiny checkpoint and serve it (engine.model is then ignored)"
+    )
+
+    @model_validator(mode="before")
+    @classmethod
+    def _tiny_model_fills_engine_model(cls, data: Any) -> Any:
+        if isinstance(data, dict) and data.get("tiny_model") is not None:
+            engine = dict(data.get("engine") or {})
+            engine.setdefault("model", "tiny-mimo-v2")
+            engine.setdefault("served_model_name", "tiny-mimo-v2")
+            data = {**data, "engine": engine}
+        return data
+
+
+class AccuracyConfig(EvalSpec):
+    """The accuracy phase: identical greedy items to both arms (and the twin)."""
+
+    enabled: bool = True
+    batch_size: int = Field(16, ge=1, description="items per interim look (early stop on a clear regression)")
+
+
+class ExperimentConfig(BaseModel):
+    """Locust load through the router at equal offered load per replica."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    enabled: bool = True
+    window_s: int = Field(60, ge=5, description="seconds per window; gates look after every window")
+    max_windows: int = Field(5, ge=1, description="most windows (= planned looks of the sequential gates)")
+    min_windows: int = Field(1, ge=1, description="no early stop before this many windows")
+    rate_per_replica: float | None = Field(
+        None, gt=0, description="open loop: requests/s offered to each replica (default: closed loop)"
+    )
+    users_per_replica: int = Field(2, ge=1, description="closed loop: streams in flight per replica")
+    dataset: str = Field("synthetic", description="synthetic, gsm8k or jsonl")
+    dataset_path: str | None = None
+    input_tokens: str = Field("64", description="synthetic prompt length: N, uniform:A:B, normal:M:S, lognormal:M:S")
+    max_tokens: int = Field(64, ge=2)
+    endpoint: str = Field("completions", description="completions or chat")
+    workers: int = Field(1, ge=0, description="Locust worker processes (0: one local process)")
+    web_ui: bool = Field(False, description="serve Locust's web UI while the experiment runs")
+    web_port: int = Field(8089, ge=1, le=65535)
+    seed: int = 0
+
+    @model_validator(mode="after")
+    def _looks(self) -> "ExperimentConfig":
+        if self.min_windows > self.max_windows:
+            raise ValueError("min_windows must be <= max_windows")
+        return self
+
+
+class RayConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    address: str = Field("auto", description="'auto': the cluster this job runs in, else a local instance")
+
+
+class RolloutConfig(BaseModel):
+    model_config = ConfigDict(extra="forbid")
+
+    name: str = Field(..., pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
+    description: str = ""
+    ray: RayConfig = Field(default_factory=RayConfig)
+    baseline: ArmConfig
+    canary: ArmConfig
+    twin_baseline: bool = Field(False, description="start a second baseline arm: the A/A noise floor of divergence")
+    accuracy: AccuracyConfig = Field(default_factory=AccuracyConfig)
+    experiment: ExperimentConfig = Field(default_factory=ExperimentConfig)
+    gates: GatesConfig = Field(default_factory=GatesConfig)
+    keep_fleet: bool = Field(False, description="leave the replicas running after the decision")
+    startup_timeout_s: float = Field(900, gt=0, description="all replicas must be ready within this")
+
+    @model_validator(mode="after")
+    def _like_with_like(self) -> "RolloutConfig":
+        # Kayenta's rule: judge arms of the same size under the same load.
+        if self.baseline.replicas != self.canary.replicas:
+            raise ValueError("baseline.replicas and canary.replicas must be equal (compare like with like)")
+        if self.baseline.engine.served_model_name != self.canary.engine.served_model_name:
+            raise ValueError("baseline and canary must serve the same served_model_name (one router, one model name)")
+        if self.accuracy.enabled and self.accuracy.kind == "golden" and not self.accuracy.path:
+            if self.baseline.tiny_model is None:
+                raise ValueError("accuracy.path is required for a golden eval (or serve tiny_model)")
+        if not self.accuracy.enabled and not self.experiment.enabled:
+            raise ValueError("accuracy and experiment are both disabled: nothing to judge")
+        return self
+
+
+def _one_line(error: ValidationError) -> str:
+    first = error.errors()[0]
+    where = ".".join(str(p) for p in first["loc"]) or "config"
+    more = f" (and {error.error_count() - 1} more)" if error.error_count() > 1 else ""
+    return f"{where}: {first['msg']}{more}"
+
+
+def parse_config(data: Any, source: str = "config") -> RolloutConfig:
+    if not isinstance(data, dict):
+        raise ConfigError(f"{source}: the top level must be a mapping")
+    try:
+        return RolloutConfig.model_validate(data)
+    except ValidationError as exc:
+        raise ConfigError(f"{source}: {_one_line(exc)}") from None
+
+
+def load_config(path: str | Path) -> RolloutConfig:
+    path = Path(path)
+    try:
+        text = path.read_text(encoding="utf-8")
+    except OSError as exc:
+        raise ConfigError(f"{path}: cannot read: {exc.strerror}") from None
+    try:
+        data = yaml.safe_load(text)
+    except yaml.YAMLError as exc:
+        mark = getattr(exc, "problem_mark", None)
+        where = f" line {mark.line + 1}" if mark else ""
+        raise ConfigError(f"{path}:{where} invalid YAML: {getattr(exc, 'problem', exc)}") from None
+    return parse_config(data, source=str(path))

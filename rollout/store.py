@@ -1,0 +1,194 @@
+"""Run history in SQLite: one file per runs directory (`RUNS_DIR/history.db`).
+
+Every phase result, event and sample is committed as soon as it exists, so a
+run can be inspected while it goes and resumed after the controller dies.
+"""
+
+from __future__ import annotations
+
+import json
+import sqlite3
+import time
+from collections.abc import Iterable
+from pathlib import Path
+from typing import Any
+
+SCHEMA = """
+CREATE TABLE IF NOT EXISTS runs (
+    run_id      TEXT PRIMARY KEY,
+    name        TEXT NOT NULL,
+    model       TEXT NOT NULL,
+    config_json TEXT NOT NULL,
+    status      TEXT NOT NULL,          -- running | done | error
+    phase       TEXT,
+    decision    TEXT,                   -- promote | rollback | inconclusive | NULL
+    exit_code   INTEGER,
+    reason      TEXT,
+    created_at  REAL NOT NULL,
+    updated_at  REAL NOT NULL
+);
+CREATE TABLE IF NOT EXISTS events (
+    run_id        TEXT NOT NULL REFERENCES runs(run_id),
+    seq           INTEGER NOT NULL,
+    time          REAL NOT NULL,
+    phase         TEXT NOT NULL,
+    canary_weight REAL,
+    event         TEXT NOT NULL,
+    reason        TEXT,
+    PRIMARY KEY (run_id, seq)
+);
+CREATE TABLE IF NOT EXISTS phase_results (
+    run_id      TEXT NOT NULL REFERENCES runs(run_id),
+    phase       TEXT NOT NULL,
+    look        INTEGER NOT NULL,
+    result_json TEXT NOT NULL,
+    time        REAL NOT NULL,
+    PRIMARY KEY (run_id, phase, look)
+);
+CREATE TABLE IF NOT EXISTS request_samples (
+    run_id      TEXT NOT NULL REFERENCES runs(run_id),
+    phase       TEXT NOT NULL,
+    window      INTEGER NOT NULL,
+    request_id  TEXT NOT NULL,
+    arm         TEXT,
+    record_json TEXT NOT NULL,
+    PRIMARY KEY (run_id, request_id)
+);
+CREATE TABLE IF NOT EXISTS eval_outcomes (
+    run_id       TEXT NOT NULL REFERENCES runs(run_id),
+    item_id      TEXT NOT NULL,
+    arm          TEXT NOT NULL,
+    correct      INTEGER NOT NULL,
+    outcome_json TEXT NOT NULL,
+    PRIMARY KEY (run_id, item_id, arm)
+);
+"""
+
+
+class RunStore:
+    """The history database of one runs directory."""
+
+    def __init__(self, path: str | Path):
+        self.path = Path(path)
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        self._db = sqlite3.connect(str(self.path), timeout=30, isolation_level=None)
+        self._db.row_factory = sqlite3.Row
+        self._db.execute("PRAGMA journal_mode=WAL")
+        self._db.executescript(SCHEMA)
+
+    def close(self) -> None:
+        self._db.close()
+
+    def _tx(self, sql: str, rows: Iterable[tuple] | tuple = ()) -> None:
+        with self._db:  # one transaction, committed on exit
+            if isinstance(rows, tuple):
+                self._db.execute("BEGIN")
+                self._db.execute(sql, rows)
+            else:
+                self._db.execute("BEGIN")
+                self._db.executemany(sql, rows)
+            self._db.execute("COMMIT")
+
+    # -- runs --------------------------------------------------------------------
+    def create_run(self, run_id: str, name: str, model: str, config: dict[str, Any]) -> None:
+        now = time.time()
+        try:
+            self._tx(
+                "INSERT INTO runs (run_id, name, model, config_json, status, created_at, updated_at)"
+                " VALUES (?, ?, ?, ?, 'running', ?, ?)",
+                (run_id, name, model, json.dumps(config), now, now),
+            )
+        except sqlite3.IntegrityError:
+            raise ValueError(f"run id {run_id!r} already exists in {self.path}") from None
+
+    def update_run(self, run_id: str, **fields: Any) -> None:
+        allowed = {"status", "phase", "decision", "exit_code", "reason"}
+        unknown = set(fields) - allowed
+        if unknown:
+            raise ValueError(f"unknown run fields {sorted(unknown)}")
+        assignments = ", ".join(f"{k} = ?" for k in fields)
+        self._tx(
+            f"UPDATE runs SET {assignments}, updated_at = ? WHERE run_id = ?",
+            (*fields.values(), time.time(), run_id),
+        )
+
+    def run(self, run_id: str) -> dict[str, Any] | None:
+        row = self._db.execute("SELECT * FROM runs WHERE run_id = ?", (run_id,)).fetchone()
+        return dict(row) if row else None
+
+    def runs(self) -> list[dict[str, Any]]:
+        return [dict(r) for r in self._db.execute("SELECT * FROM runs ORDER BY created_at")]
+
+    # -- events ------------------------------------------------------------------
+    def add_event(self, run_id: str, phase: str, event: str, reason: str = "", canary_weight: float | None = None) -> dict:
+        row = self._db.execute("SELECT COALESCE(MAX(seq), 0) + 1 FROM events WHERE run_id = ?", (run_id,)).fetchone()
+        entry = {"time": time.time(), "phase": phase, "canary_weight": canary_weight, "event": event, "reason": reason}
+        self._tx(
+            "INSERT INTO events (run_id, seq, time, phase, canary_weight, event, reason) VALUES (?, ?, ?, ?, ?, ?, ?)",
+            (run_id, row[0], entry["time"], phase, canary_weight, event, reason),
+        )
+        return entry
+
+    def events(self, run_id: str) -> list[dict[str, Any]]:
+        return [
+            dict(r)
+            for r in self._db.execute(
+                "SELECT time, phase, canary_weight, event, reason FROM events WHERE run_id = ? ORDER BY seq", (run_id,)
+            )
+        ]
+
+    # -- results and samples -----------------------------------------------------
+    def put_phase_result(self, run_id: str, phase: str, look: int, result: Any) -> None:
+        self._tx(
+            "INSERT OR REPLACE INTO phase_results (run_id, phase, look, result_json, time) VALUES (?, ?, ?, ?, ?)",
+            (run_id, phase, look, json.dumps(result), time.time()),
+        )
+
+    def phase_results(self, run_id: str, phase: str) -> list[Any]:
+        return [
+            json.loads(r[0])
+            for r in self._db.execute(
+                "SELECT result_json FROM phase_results WHERE run_id = ? AND phase = ? ORDER BY look", (run_id, phase)
+            )
+        ]
+
+    def add_request_samples(self, run_id: str, phase: str, window: int, records: Iterable[Any]) -> int:
+        """Store request records (pydantic models); a record already stored is not counted twice."""
+        rows = [(run_id, phase, window, r.request_id, r.arm, r.model_dump_json()) for r in records]
+        before = self.count_request_samples(run_id)
+        self._tx(
+            "INSERT OR IGNORE INTO request_samples (run_id, phase, window, request_id, arm, record_json)"
+            " VALUES (?, ?, ?, ?, ?, ?)",
+            rows,
+        )
+        return self.count_request_samples(run_id) - before
+
+    def count_request_samples(self, run_id: str, phase: str | None = None) -> int:
+        if phase is None:
+            row = self._db.execute("SELECT COUNT(*) FROM request_samples WHERE run_id = ?", (run_id,)).fetchone()
+        else:
+            row = self._db.execute(
+                "SELECT COUNT(*) FROM request_samples WHERE run_id = ? AND phase = ?", (run_id, phase)
+            ).fetchone()
+        return int(row[0])
+
+    def request_samples(self, run_id: str, phase: str) -> list[tuple[int, str]]:
+        """(window, record JSON) in insertion order."""
+        return [
+            (r[0], r[1])
+            for r in self._db.execute(
+                "SELECT window, record_json FROM request_samples WHERE run_id = ? AND phase = ? ORDER BY rowid",
+                (run_id, phase),
+            )
+        ]
+
+    def add_eval_outcomes(self, run_id: str, outcomes: Iterable[Any]) -> None:
+        rows = [(run_id, o.item_id, o.arm, int(o.correct), o.model_dump_json()) for o in outcomes]
+        self._tx(
+            "INSERT OR REPLACE INTO eval_outcomes (run_id, item_id, arm, correct, outcome_json) VALUES (?, ?, ?, ?, ?)",
+            rows,
+        )
+
+    def count_eval_outcomes(self, run_id: str) -> int:
+        row = self._db.execute("SELECT COUNT(*) FROM eval_outcomes WHERE run_id = ?", (run_id,)).fetchone()
+        return int(row[0])
