@@ -54,14 +54,14 @@ class TinyCheckpointSpec:
     seed: int = 0
     vocab_size: int = 2048
     hidden_size: int = 1024
-    num_layers: int = 8
+    num_layers: int = 24
     intermediate_size: int = 4096
     num_heads: int = 16
     num_kv_heads: int = 4
     head_dim: int = 64
     sliding_window: int = 128
     max_position_embeddings: int = 4096
-    golden_prompts: int = 64
+    golden_prompts: int = 160
     golden_continuation: int = 24
 
     def __post_init__(self) -> None:

@@ -1,0 +1,573 @@
+"""The rollout controller: one run from config to decision, readable in one place.
+
+    prepare     tiny checkpoints written if asked; run row in SQLite
+    fleet       baseline, canary (and twin) replicas started in parallel by Ray
+    router      gateway actor over the arms; canary weight 0 until judged
+    preflight   every replica answers; a speculative canary really drafts;
+                engine warnings recorded
+    accuracy    identical greedy items to every arm in batches, judged after
+                each batch (early stop on a clear regression)
+    experiment  Locust through the router, both arms pinned alternately with
+                the same prompts (equal offered load per replica), judged
+                after every window with the sequential latency gates and the
+                /metrics acceptance deltas
+    decide      PROMOTE | ROLLBACK | INCONCLUSIVE; router to 100% of the winner
+
+Every phase's result is committed to the store before the controller acts on
+it. Statistics live in `rollout.gates` (pure); this module only gathers data,
+calls the judges, and records what happened.
+"""
+
+from __future__ import annotations
+
+import time
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import ray
+import requests
+
+from cluster.fleet import ArmSpec, Fleet, FleetStartError
+from cluster.metrics import MetricsSnapshot, SpecDecodeStats
+from cluster.ray_cluster import connect
+from cluster.router import Router
+from loadtests.options import TrafficOptions
+from loadtests.records import RequestRecord, read_records
+from loadtests.swarm import Swarm, SwarmError, SwarmProgress, SwarmSpec
+from rollout.config import BASELINE, CANARY, DEFAULT_CACHE, TWIN, ArmConfig, RolloutConfig
+from rollout.evals import EvalItem, ItemOutcome, evaluate_batch, load_items, outputs_differ
+from rollout.gates import (
+    Decision,
+    GateResult,
+    LatencySamples,
+    Verdict,
+    decide,
+    is_enabled,
+    is_final,
+    judge_acceptance,
+    judge_accuracy,
+    judge_divergence,
+    judge_latency,
+)
+from rollout.store import RunStore
+from rollout.tiny_checkpoint import TinyCheckpointSpec, ensure_checkpoint
+
+Progress = Callable[[str], None]
+
+EXIT_CODES = {Decision.PROMOTE: 0, Decision.ROLLBACK: 3, Decision.INCONCLUSIVE: 4}
+EXIT_INFRASTRUCTURE = 1
+
+
+class InfrastructureError(RuntimeError):
+    """The run could not measure (a replica, the router or Locust failed): exit 1, no verdict."""
+
+
+@dataclass
+class RunResult:
+    """Everything the report needs; built up phase by phase."""
+
+    run_id: str
+    run_dir: Path
+    config: RolloutConfig
+    started_at: float = field(default_factory=time.time)
+    decision: Decision | None = None
+    reason: str = ""
+    gates: list[GateResult] = field(default_factory=list)
+    preflight: dict[str, Any] = field(default_factory=dict)
+    accuracy: dict[str, Any] = field(default_factory=dict)
+    experiment: dict[str, Any] = field(default_factory=dict)
+    spec_decode: dict[str, dict] = field(default_factory=dict)
+    engine_warnings: dict[str, list[str]] = field(default_factory=dict)
+    arms: dict[str, dict] = field(default_factory=dict)
+    timings: dict[str, float] = field(default_factory=dict)
+    timeline: list[dict] = field(default_factory=list)
+    error: str | None = None
+
+    @property
+    def exit_code(self) -> int:
+        if self.error is not None or self.decision is None:
+            return EXIT_INFRASTRUCTURE
+        return EXIT_CODES[self.decision]
+
+
+def new_run_id(name: str) -> str:
+    return f"{time.strftime('%Y%m%d-%H%M%S')}-{name}-{uuid.uuid4().hex[:6]}"
+
+
+def resolve_arm_engine(arm: ArmConfig, cache_dir: Path, progress: Progress):
+    """The arm's EngineSpec with `model` pointing at a real checkpoint (tiny ones written now)."""
+    if arm.tiny_model is None:
+        return arm.engine
+    options = arm.tiny_model.model_dump(exclude_none=True)
+    spec = TinyCheckpointSpec(**options)
+    tag = f"noise{spec.draft_noise:g}-{'broken' if spec.broken else 'ok'}-mtp{spec.mtp_layers}-s{spec.seed}-L{spec.num_layers}"
+    path = cache_dir / f"tiny-mimo-v2-{tag}"
+    progress(f"prepare: tiny MiMo-V2 checkpoint {path}")
+    ensure_checkpoint(path, spec)
+    return arm.engine.model_copy(update={"model": str(path)})
+
+
+class Controller:
+    """Runs one rollout. `run()` never raises for a judged outcome; see RunResult.exit_code."""
+
+    def __init__(
+        self,
+        config: RolloutConfig,
+        runs_dir: str | Path = "runs",
+        run_id: str | None = None,
+        progress: Progress = print,
+        cache_dir: Path = DEFAULT_CACHE,
+    ):
+        self.cfg = config
+        self.runs_dir = Path(runs_dir)
+        self.run_id = run_id or new_run_id(config.name)
+        self.run_dir = self.runs_dir / self.run_id
+        self._say = progress
+        self.cache_dir = cache_dir
+        self.store = RunStore(self.runs_dir / "history.db")
+        self.result = RunResult(run_id=self.run_id, run_dir=self.run_dir, config=config)
+        self.fleet: Fleet | None = None
+        self.router = None
+        self.router_url: str | None = None
+        self.canary_weight: float = 0.0
+        self.engines: dict[str, Any] = {}
+
+    # -- bookkeeping -----------------------------------------------------------
+    def say(self, message: str) -> None:
+        self._say(f"[{time.strftime('%H:%M:%S')}] {message}")
+
+    def event(self, phase: str, event: str, reason: str = "") -> None:
+        entry = self.store.add_event(self.run_id, phase, event, reason, canary_weight=self.canary_weight)
+        self.result.timeline.append(entry)
+        self.store.update_run(self.run_id, phase=phase)
+
+    def set_canary_weight(self, weight: float, phase: str, reason: str) -> None:
+        ray.get(self.router.set_weights.remote({BASELINE: 100.0 - weight, CANARY: weight}))
+        self.canary_weight = weight
+        self.event(phase, "weights", f"canary {weight:g}%: {reason}")
+
+    # -- the run ---------------------------------------------------------------
+    def run(self) -> RunResult:
+        self.run_dir.mkdir(parents=True, exist_ok=True)
+        cfg = self.cfg
+        model = cfg.baseline.engine.model if cfg.baseline.tiny_model is None else "tiny-mimo-v2"
+        self.store.create_run(self.run_id, cfg.name, model, cfg.model_dump(mode="json"))
+        self.event("prepare", "start", f"run {self.run_id}")
+        self.say(f"run {self.run_id}: {cfg.name} -> {self.run_dir}")
+        try:
+            self._prepare()
+            self._start_fleet_and_router()
+            self._preflight()
+            if self.result.decision is None and cfg.accuracy.enabled:
+                self._accuracy()
+            if self.result.decision is None and cfg.experiment.enabled:
+                self._experiment()
+            if self.result.decision is None:
+                self._decide()
+            self._finish_traffic()
+        except (InfrastructureError, FleetStartError, SwarmError) as exc:
+            self.result.error = str(exc)
+            self.say(f"infrastructure error: {exc}")
+            self.event("error", "infrastructure_error", str(exc).splitlines()[0])
+        except KeyboardInterrupt:
+            self.result.error = "interrupted"
+            self.event("error", "interrupted", "SIGINT")
+            raise
+        finally:
+            self._teardown()
+            self._record_end()
+        return self.result
+
+    def _prepare(self) -> None:
+        cfg = self.cfg
+        t0 = time.monotonic()
+        self.engines[BASELINE] = resolve_arm_engine(cfg.baseline, self.cache_dir, self.say)
+        self.engines[CANARY] = resolve_arm_engine(cfg.canary, self.cache_dir, self.say)
+        if cfg.twin_baseline:
+            self.engines[TWIN] = self.engines[BASELINE]
+        for arm, engine in self.engines.items():
+            self.result.arms[arm] = {
+                "replicas": cfg.canary.replicas if arm == CANARY else cfg.baseline.replicas,
+                "engine": engine.model_dump(mode="json"),
+                "tiny_model": (cfg.canary if arm == CANARY else cfg.baseline).tiny_model.model_dump()
+                if (cfg.canary if arm == CANARY else cfg.baseline).tiny_model
+                else None,
+            }
+        self.result.timings["prepare_s"] = time.monotonic() - t0
+
+    def _start_fleet_and_router(self) -> None:
+        cfg = self.cfg
+        self.say(connect(cfg.ray.address))
+        t0 = time.monotonic()
+        arms = [
+            ArmSpec(name=arm, engine=engine, replicas=self.result.arms[arm]["replicas"])
+            for arm, engine in self.engines.items()
+        ]
+        self.event("fleet", "start", ", ".join(f"{a.name} x{a.replicas}" for a in arms))
+        self.fleet = Fleet(arms, log_dir=str(self.run_dir / "logs"), progress=self.say)
+        urls = self.fleet.start(timeout_s=cfg.startup_timeout_s)
+        self.result.timings["fleet_start_s"] = time.monotonic() - t0
+        self.event("fleet", "ready", f"{sum(len(u) for u in urls.values())} replicas")
+
+        self.router = Router.remote(initial_weights={BASELINE: 100.0, CANARY: 0.0}, seed=0)
+        self.router_url = ray.get(self.router.start.remote())
+        ray.get(self.router.set_arms.remote(urls))
+        self.canary_weight = 0.0
+        self.say(f"router: {self.router_url} (canary weight 0% until judged)")
+        self.event("router", "ready", self.router_url)
+
+    # -- preflight -------------------------------------------------------------
+    def _preflight(self) -> None:
+        self.say("preflight: smoke request to every replica")
+        model = self.engines[BASELINE].served_model_name
+        answers = {}
+        for handle in self.fleet.replicas:
+            try:
+                response = requests.post(
+                    f"{handle.url}/v1/completions",
+                    json={"model": model, "prompt": "Question: 1 + 1?\nAnswer:", "max_tokens": 8, "temperature": 0},
+                    timeout=120,
+                )
+                response.raise_for_status()
+                answers[handle.name] = response.json()["usage"]["completion_tokens"]
+            except (requests.RequestException, KeyError, ValueError) as exc:
+                raise InfrastructureError(f"preflight: replica {handle.name} did not answer: {exc}") from None
+        metrics = self.fleet.metrics()
+        warnings = self.fleet.engine_warnings()
+        self.result.engine_warnings = warnings
+        canary_drafts = sum(metrics[h.name].spec_decode.drafts for h in self.fleet.handles(CANARY))
+        speculative = self.engines[CANARY].num_speculative_tokens > 0
+        self.result.preflight = {
+            "smoke_completion_tokens": answers,
+            "canary_speculative_tokens": self.engines[CANARY].num_speculative_tokens,
+            "canary_drafts": canary_drafts,
+            "notable_warnings": {name: w[:3] for name, w in warnings.items() if w},
+        }
+        self.store.put_phase_result(self.run_id, "preflight", 1, self.result.preflight)
+        for name, lines in warnings.items():
+            for line in lines:
+                if "same MTP layer" in line:
+                    self.say(f"preflight: {name} engine warning: {line}")
+                    break
+        if speculative and canary_drafts <= 0:
+            # Fail closed: a speculative config that never drafts is not the config under test.
+            reason = "canary is configured to speculate but produced no drafts in preflight"
+            self.result.gates.append(
+                GateResult(
+                    name="preflight_speculation",
+                    metric="canary_drafts",
+                    baseline=None,
+                    canary=float(canary_drafts),
+                    threshold=1.0,
+                    verdict=Verdict.FAIL,
+                    detail=reason,
+                )
+            )
+            self.result.decision = Decision.ROLLBACK
+            self.result.reason = reason
+            self.event("preflight", "fail", reason)
+            return
+        self.event("preflight", "pass", f"canary drafts {canary_drafts:g}")
+
+    # -- accuracy --------------------------------------------------------------
+    def _eval_spec(self):
+        spec = self.cfg.accuracy
+        if spec.kind == "golden" and not spec.path:
+            spec = spec.model_copy(update={"path": str(Path(self.engines[BASELINE].model) / "golden.jsonl")})
+        return spec
+
+    def _accuracy(self) -> None:
+        cfg, gates_cfg = self.cfg, self.cfg.gates
+        spec = self._eval_spec()
+        items: list[EvalItem] = load_items(spec)
+        arms = [BASELINE, CANARY] + ([TWIN] if TWIN in self.engines else [])
+        model = self.engines[BASELINE].served_model_name
+        self.say(f"accuracy: {len(items)} {spec.kind} items to {', '.join(arms)} (greedy), batches of {cfg.accuracy.batch_size}")
+        self.event("accuracy", "start", f"{len(items)} {spec.kind} items")
+        t0 = time.monotonic()
+        outcomes: dict[str, list[ItemOutcome]] = {arm: [] for arm in arms}
+        look = 0
+        accuracy_gate = divergence_gate = None
+        for start in range(0, len(items), cfg.accuracy.batch_size):
+            batch = items[start : start + cfg.accuracy.batch_size]
+            got = evaluate_batch(self.router_url, model, batch, arms, spec)
+            for arm in arms:
+                outcomes[arm].extend(got[arm])
+                self.store.add_eval_outcomes(self.run_id, got[arm])
+            look += 1
+            last = start + len(batch) >= len(items)
+            accuracy_gate, divergence_gate = self._judge_accuracy(outcomes, interim=not last, look=look)
+            self.store.put_phase_result(
+                self.run_id, "accuracy", look, [accuracy_gate.model_dump(mode="json"), divergence_gate.model_dump(mode="json")]
+            )
+            done = len(outcomes[BASELINE])
+            acc = {arm: np.mean([o.correct for o in outcomes[arm]]) for arm in arms}
+            self.say(
+                f"accuracy: {done}/{len(items)} items | "
+                + " ".join(f"{arm} {acc[arm]:.3f}" for arm in arms)
+                + f" | {accuracy_gate.name}: {accuracy_gate.verdict.value}, {divergence_gate.name}: {divergence_gate.verdict.value}"
+            )
+            if not last and (accuracy_gate.verdict == Verdict.FAIL or divergence_gate.verdict == Verdict.FAIL):
+                self.say("accuracy: clear regression, stopping early")
+                self.event("accuracy", "early_stop", f"after {done} items")
+                break
+        errors = {arm: sum(o.error is not None for o in outcomes[arm]) for arm in arms}
+        self.result.accuracy = {
+            "kind": spec.kind,
+            "items": len(outcomes[BASELINE]),
+            "planned_items": len(items),
+            "accuracy": {arm: float(np.mean([o.correct for o in outcomes[arm]])) if outcomes[arm] else None for arm in arms},
+            "divergence_vs_baseline": {
+                arm: float(np.mean([outputs_differ(a, b) for a, b in zip(outcomes[BASELINE], outcomes[arm])]))
+                for arm in arms
+                if arm != BASELINE and outcomes[arm]
+            },
+            "request_errors": errors,
+            "duration_s": time.monotonic() - t0,
+        }
+        self.result.gates += [g for g in (accuracy_gate, divergence_gate) if g is not None]
+        self.event("accuracy", "done", f"{accuracy_gate.verdict.value} / {divergence_gate.verdict.value}")
+        if sum(errors.values()) and all(o.error for o in outcomes[BASELINE]):
+            raise InfrastructureError(f"accuracy: every baseline request failed: {outcomes[BASELINE][0].error}")
+
+    def _judge_accuracy(self, outcomes: dict[str, list[ItemOutcome]], interim: bool, look: int):
+        gates_cfg = self.cfg.gates
+        base, canary = outcomes[BASELINE], outcomes[CANARY]
+        accuracy_gate = judge_accuracy(
+            [o.correct for o in base], [o.correct for o in canary], gates_cfg, look=1, max_looks=1, interim=interim
+        )
+        twin = outcomes.get(TWIN)
+        divergence_gate = judge_divergence(
+            [outputs_differ(b, c) for b, c in zip(base, canary)],
+            [outputs_differ(b, t) for b, t in zip(base, twin)] if twin is not None else None,
+            gates_cfg,
+            look=1,
+            max_looks=1,
+            interim=interim,
+        )
+        return accuracy_gate, divergence_gate
+
+    # -- experiment ------------------------------------------------------------
+    def _experiment(self) -> None:
+        exp, gates_cfg = self.cfg.experiment, self.cfg.gates
+        replicas = self.cfg.canary.replicas
+        arms_pinned = f"{BASELINE},{CANARY}"
+        max_looks = exp.max_windows
+        self.say(
+            f"experiment: up to {exp.max_windows} windows of {exp.window_s} s, "
+            + (
+                f"open loop {exp.rate_per_replica:g} req/s per replica"
+                if exp.rate_per_replica
+                else f"closed loop {exp.users_per_replica} streams per replica"
+            )
+        )
+        self.event("experiment", "start", f"windows of {exp.window_s} s")
+        t0 = time.monotonic()
+        records: list[RequestRecord] = []
+        windows_of: list[int] = []
+        spec_delta: dict[str, SpecDecodeStats] = {}
+        latency_gates: list[GateResult] = []
+        acceptance_gate: GateResult | None = None
+        window_summaries = []
+        for window in range(1, exp.max_windows + 1):
+            before = self.fleet.metrics()
+            result = self._run_window(window, arms_pinned, replicas)
+            after = self.fleet.metrics()
+            window_records = read_records(result.records_path)
+            stored = self.store.add_request_samples(self.run_id, "experiment", window, window_records)
+            if stored != len(window_records):
+                raise InfrastructureError(f"experiment: window {window} had duplicate request ids")
+            records += window_records
+            windows_of += [window] * len(window_records)
+            for handle in self.fleet.replicas:
+                if handle.arm == TWIN:
+                    continue
+                delta = after[handle.name].delta(before[handle.name])
+                spec_delta[handle.arm] = spec_delta.get(handle.arm, SpecDecodeStats()) + delta.spec_decode
+            baseline = _latency_samples(records, windows_of, BASELINE)
+            canary = _latency_samples(records, windows_of, CANARY)
+            latency_gates = judge_latency(baseline, canary, gates_cfg, look=window, max_looks=max_looks)
+            canary_sd = spec_delta.get(CANARY, SpecDecodeStats())
+            acceptance_gate = judge_acceptance(canary_sd.mean_acceptance_length, int(canary_sd.drafts), gates_cfg)
+            if self.engines[CANARY].num_speculative_tokens > 0 and canary_sd.drafts <= 0:
+                acceptance_gate = acceptance_gate.model_copy(
+                    update={"verdict": Verdict.FAIL, "detail": "the speculative canary made no drafts under load"}
+                )
+            window_gates = latency_gates + [acceptance_gate]
+            self.store.put_phase_result(
+                self.run_id, "experiment", window, [g.model_dump(mode="json") for g in window_gates]
+            )
+            summary = {
+                "window": window,
+                "requests": {arm: int(np.sum([r.arm == arm for r in window_records])) for arm in (BASELINE, CANARY)},
+                "verdicts": {g.name: g.verdict.value for g in window_gates},
+            }
+            window_summaries.append(summary)
+            self.say(
+                f"experiment: window {window}/{exp.max_windows} | requests baseline {baseline.n_total} canary {canary.n_total}"
+                f" | TPOT p50 ms baseline {_p(baseline.tpot_s, 50)} canary {_p(canary.tpot_s, 50)}"
+                f" | acceptance length {_fmt(canary_sd.mean_acceptance_length)} | "
+                + ", ".join(f"{g.name}: {g.verdict.value}" for g in window_gates)
+            )
+            self.event("experiment", "window", f"window {window}: " + ", ".join(f"{k}={v}" for k, v in summary["verdicts"].items()))
+            if window >= exp.min_windows and is_final(window_gates, gates_cfg):
+                if window < exp.max_windows:
+                    self.say(f"experiment: verdict reached after window {window}, stopping early")
+                break
+        self.result.spec_decode = {arm: stats.to_dict() for arm, stats in spec_delta.items()}
+        for arm, stats in spec_delta.items():
+            k = self.engines[arm].num_speculative_tokens
+            if k > 1 and stats.per_position_rate:
+                self.result.spec_decode[arm]["expected_length_by_k"] = {
+                    str(kk): stats.expected_length_for_k(kk) for kk in range(1, k + 1)
+                }
+        self.result.experiment = {
+            "windows": window_summaries,
+            "requests": {arm: _latency_samples(records, windows_of, arm).n_total for arm in (BASELINE, CANARY)},
+            "latency_ms": {arm: _latency_summary(records, arm) for arm in (BASELINE, CANARY)},
+            "client_tokens_per_chunk": {arm: _mean([r.decode_tokens_per_chunk for r in records if r.arm == arm]) for arm in (BASELINE, CANARY)},
+            "generator_send_lag_p99_ms": _p([r.send_lag_s for r in records if r.send_lag_s is not None], 99),
+            "duration_s": time.monotonic() - t0,
+        }
+        self.result.gates += latency_gates + ([acceptance_gate] if acceptance_gate else [])
+        self.event("experiment", "done", ", ".join(f"{g.name}={g.verdict.value}" for g in latency_gates))
+
+    def _run_window(self, window: int, arm_pin: str, replicas: int):
+        exp = self.cfg.experiment
+        window_dir = self.run_dir / "experiment" / f"window-{window}"
+        traffic = TrafficOptions(
+            dataset=exp.dataset,
+            dataset_path=exp.dataset_path,
+            input_tokens=exp.input_tokens,
+            max_tokens=exp.max_tokens,
+            endpoint=exp.endpoint,
+            model=self.engines[BASELINE].served_model_name,
+            records=str(window_dir / "records.jsonl"),
+            tag=f"experiment-w{window}",
+            seed=exp.seed + window,
+            arm_pin=arm_pin,
+            rate=exp.rate_per_replica * 2 * replicas if exp.rate_per_replica else None,
+            ignore_eos=True,
+        )
+        users = exp.users_per_replica * 2 * replicas
+        spec = SwarmSpec(
+            host=self.router_url,
+            traffic=traffic,
+            users=max(users, exp.workers, 1),
+            run_time_s=exp.window_s,
+            n_workers=exp.workers,
+            web_ui=exp.web_ui,
+            web_port=exp.web_port,
+            log_dir=window_dir,
+        )
+        last = [0.0]
+
+        def on_progress(p: SwarmProgress) -> None:
+            if p.elapsed_s - last[0] >= 15:
+                last[0] = p.elapsed_s
+                self.say(f"experiment: window {window} {p.phase} {p.elapsed_s:.0f}/{exp.window_s} s, {p.requests_done} requests done, {p.requests_failed} failed")
+
+        return Swarm(spec, on_progress=on_progress, progress_interval_s=1.0).run()
+
+    # -- decision --------------------------------------------------------------
+    def _decide(self) -> None:
+        gates_cfg = self.cfg.gates
+        considered = [g for g in self.result.gates if g.name.startswith("preflight") or is_enabled(g.name, gates_cfg)]
+        decision = decide(considered)
+        failed = [g.name for g in considered if g.verdict == Verdict.FAIL]
+        open_ = [g.name for g in considered if g.verdict == Verdict.INCONCLUSIVE]
+        if decision == Decision.PROMOTE:
+            reason = "every gate passed: " + ", ".join(g.name for g in considered)
+        elif decision == Decision.ROLLBACK:
+            reason = "failed: " + ", ".join(failed)
+        else:
+            reason = "not enough evidence: " + ", ".join(open_) if open_ else "no gate was judged"
+        self.result.decision, self.result.reason = decision, reason
+
+    def _finish_traffic(self) -> None:
+        decision = self.result.decision
+        if decision is None:
+            return
+        self.say(f"decision: {decision.value.upper()} ({self.result.reason})")
+        if decision == Decision.PROMOTE:
+            self.set_canary_weight(100.0, "decide", "promoted")
+        else:
+            self.set_canary_weight(0.0, "decide", "rolled back" if decision == Decision.ROLLBACK else "inconclusive: stable stays")
+        self.event("decide", decision.value, self.result.reason)
+
+    def _teardown(self) -> None:
+        if self.cfg.keep_fleet and self.result.error is None:
+            self.say(f"keep_fleet: replicas and router left running ({self.router_url})")
+            return
+        if self.router is not None:
+            try:
+                ray.get(self.router.stop.remote(), timeout=10)
+                ray.kill(self.router)
+            except Exception:
+                pass
+            self.router = None
+        if self.fleet is not None:
+            self.fleet.teardown()
+            self.fleet = None
+
+    def _record_end(self) -> None:
+        from rollout.report import write_reports
+
+        self.result.timings["total_s"] = time.time() - self.result.started_at
+        paths = write_reports(self.result)
+        decision = self.result.decision.value if self.result.decision else None
+        self.store.update_run(
+            self.run_id,
+            status="error" if self.result.error else "done",
+            decision=None if self.result.error else decision,
+            exit_code=self.result.exit_code,
+            reason=self.result.error or self.result.reason,
+        )
+        self.say(f"report: {paths['decision']} and {paths['report']}")
+
+
+# -- pure helpers --------------------------------------------------------------
+def _latency_samples(records: list[RequestRecord], windows_of: list[int], arm: str) -> LatencySamples:
+    """Per-request samples of one arm; requests cut off by the window's end are not samples."""
+    mine = [(r, w) for r, w in zip(records, windows_of) if r.arm == arm or (r.arm is None and r.pinned_arm == arm)]
+    mine = [(r, w) for r, w in mine if not r.cancelled]
+    ok = [(r, w) for r, w in mine if r.ok and r.ttft_s is not None and r.tpot_s is not None]
+    return LatencySamples(
+        ttft_s=np.array([r.ttft_s for r, _ in ok], dtype=float),
+        tpot_s=np.array([r.tpot_s for r, _ in ok], dtype=float),
+        e2e_s=np.array([r.e2e_s for r, _ in ok], dtype=float),
+        n_errors=sum(1 for r, _ in mine if not r.ok),
+        n_total=len(mine),
+        window=np.array([w for _, w in ok], dtype=int),
+    )
+
+
+def _latency_summary(records: list[RequestRecord], arm: str) -> dict[str, float | None]:
+    ok = [r for r in records if r.arm == arm and r.ok and not r.cancelled]
+    out: dict[str, float | None] = {}
+    for metric, values in (
+        ("ttft", [r.ttft_s for r in ok if r.ttft_s is not None]),
+        ("tpot", [r.tpot_s for r in ok if r.tpot_s is not None]),
+        ("e2e", [r.e2e_s for r in ok]),
+    ):
+        for q in (50, 95, 99):
+            out[f"{metric}_p{q}"] = _p(values, q)
+    return out
+
+
+def _p(values, q: float) -> float | None:
+    arr = np.asarray(values, dtype=float)
+    return round(float(np.percentile(arr, q)) * 1000.0, 3) if arr.size else None
+
+
+def _mean(values) -> float | None:
+    vals = [v for v in values if v is not None]
+    return float(np.mean(vals)) if vals else None
+
+
+def _fmt(value: float | None) -> str:
+    return "n/a" if value is None else f"{value:.2f}"

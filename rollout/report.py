@@ -1,0 +1,154 @@
+"""The run's record for machines and people: decision.json and report.md."""
+
+from __future__ import annotations
+
+import json
+import time
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from rollout.controller import RunResult
+
+
+def decision_document(result: "RunResult") -> dict[str, Any]:
+    """decision.json: the verdict, every gate's numbers, and what was compared."""
+    return {
+        "run_id": result.run_id,
+        "name": result.config.name,
+        "decision": result.decision.value if result.decision and result.error is None else None,
+        "exit_code": result.exit_code,
+        "reason": result.error or result.reason,
+        "error": result.error,
+        "gates": [
+            {
+                "name": g.name,
+                "metric": g.metric,
+                "baseline": g.baseline,
+                "canary": g.canary,
+                "threshold": g.threshold,
+                "verdict": g.verdict.value,
+                "estimate": g.estimate,
+                "interval": list(g.interval) if g.interval else None,
+                "n_baseline": g.n_baseline,
+                "n_canary": g.n_canary,
+                "look": g.look,
+                "p_value": g.p_value,
+                "detail": g.detail,
+            }
+            for g in result.gates
+        ],
+        "spec_decode": {
+            arm: {
+                "acceptance_rate": sd.get("acceptance_rate"),
+                "mean_acceptance_length": sd.get("mean_acceptance_length"),
+                "per_position": sd.get("per_position"),
+                "drafts": sd.get("drafts"),
+                "draft_tokens": sd.get("draft_tokens"),
+                "accepted_tokens": sd.get("accepted_tokens"),
+                "expected_length_by_k": sd.get("expected_length_by_k"),
+            }
+            for arm, sd in result.spec_decode.items()
+        },
+        "arms": result.arms,
+        "preflight": result.preflight,
+        "accuracy": result.accuracy,
+        "experiment": result.experiment,
+        "engine_warnings": result.engine_warnings,
+        "gates_config": result.config.gates.model_dump(mode="json"),
+        "timings": {k: round(v, 3) for k, v in result.timings.items()},
+        "timeline": result.timeline,
+        "started_at": result.started_at,
+    }
+
+
+def _num(value: Any, digits: int = 3) -> str:
+    if value is None:
+        return "n/a"
+    if isinstance(value, float):
+        return f"{value:.{digits}f}"
+    return str(value)
+
+
+def markdown_report(doc: dict[str, Any]) -> str:
+    lines = [
+        f"# mtp-canary run {doc['run_id']}",
+        "",
+        f"**Decision: {str(doc['decision']).upper()}** (exit code {doc['exit_code']})",
+        "",
+        f"{doc['reason']}",
+        "",
+        "## Arms",
+        "",
+        "| arm | replicas | model | speculative config |",
+        "|---|---|---|---|",
+    ]
+    for arm, info in doc["arms"].items():
+        engine = info["engine"]
+        lines.append(
+            f"| {arm} | {info['replicas']} | `{engine['model']}` | `{json.dumps(engine.get('speculative_config'))}` |"
+        )
+    lines += ["", "## Gates", "", "| gate | metric | baseline | canary | estimate | interval | threshold | verdict |"]
+    lines.append("|---|---|---|---|---|---|---|---|")
+    for g in doc["gates"]:
+        interval = f"[{_num(g['interval'][0])}, {_num(g['interval'][1])}]" if g["interval"] else "n/a"
+        lines.append(
+            f"| {g['name']} | {g['metric']} | {_num(g['baseline'])} | {_num(g['canary'])} | {_num(g['estimate'])} "
+            f"| {interval} | {_num(g['threshold'])} | **{g['verdict']}** |"
+        )
+    details = [f"- `{g['name']}`: {g['detail']}" for g in doc["gates"] if g["detail"]]
+    if details:
+        lines += [""] + details
+    if doc["spec_decode"]:
+        lines += ["", "## Speculative decoding (server /metrics deltas over the experiment)", ""]
+        lines += ["| arm | acceptance rate | mean acceptance length | per position | drafts |", "|---|---|---|---|---|"]
+        for arm, sd in doc["spec_decode"].items():
+            per_pos = ", ".join(f"{p:.3f}" for p in sd["per_position"]) if sd["per_position"] else "n/a"
+            lines.append(
+                f"| {arm} | {_num(sd['acceptance_rate'])} | {_num(sd['mean_acceptance_length'])} | {per_pos} | {_num(sd['drafts'], 0)} |"
+            )
+        for arm, sd in doc["spec_decode"].items():
+            if sd.get("expected_length_by_k"):
+                by_k = ", ".join(f"k={k}: {_num(v)}" for k, v in sd["expected_length_by_k"].items())
+                lines.append(f"\nExpected acceptance length of {arm} had it drafted fewer tokens: {by_k}")
+    exp = doc.get("experiment") or {}
+    if exp.get("latency_ms"):
+        lines += ["", "## Latency (client side, ms, per request)", ""]
+        lines += ["| arm | requests | TTFT p50 | TTFT p95 | TPOT p50 | TPOT p95 | E2E p50 | E2E p95 | tokens/chunk |"]
+        lines.append("|---|---|---|---|---|---|---|---|---|")
+        for arm, lat in exp["latency_ms"].items():
+            lines.append(
+                f"| {arm} | {exp['requests'].get(arm)} | {_num(lat['ttft_p50'], 1)} | {_num(lat['ttft_p95'], 1)} "
+                f"| {_num(lat['tpot_p50'], 2)} | {_num(lat['tpot_p95'], 2)} | {_num(lat['e2e_p50'], 1)} | {_num(lat['e2e_p95'], 1)} "
+                f"| {_num(exp['client_tokens_per_chunk'].get(arm), 2)} |"
+            )
+        lines.append(f"\nGenerator send lag p99: {_num(exp.get('generator_send_lag_p99_ms'), 1)} ms")
+    acc = doc.get("accuracy") or {}
+    if acc:
+        lines += ["", "## Accuracy", "", f"{acc['items']} of {acc['planned_items']} {acc['kind']} items, greedy, identical for every arm."]
+        lines += [""] + [f"- {arm}: accuracy {_num(v)}" for arm, v in acc["accuracy"].items()]
+        lines += [f"- {arm} vs baseline: outputs differ on {_num(v)} of items" for arm, v in acc["divergence_vs_baseline"].items()]
+    warnings = {k: v for k, v in (doc.get("preflight") or {}).get("notable_warnings", {}).items() if v}
+    if warnings:
+        lines += ["", "## Engine warnings (from the replica logs)", ""]
+        for replica, msgs in warnings.items():
+            lines += [f"- {replica}: {m}" for m in msgs]
+    lines += ["", "## Timeline", "", "| time | phase | canary weight | event | reason |", "|---|---|---|---|---|"]
+    for e in doc["timeline"]:
+        when = time.strftime("%H:%M:%S", time.localtime(e["time"]))
+        lines.append(f"| {when} | {e['phase']} | {_num(e['canary_weight'], 0)} | {e['event']} | {e['reason']} |")
+    return "\n".join(lines) + "\n"
+
+
+def write_reports(result: "RunResult") -> dict[str, Path]:
+    run_dir = Path(result.run_dir)
+    run_dir.mkdir(parents=True, exist_ok=True)
+    doc = decision_document(result)
+    decision_path = run_dir / "decision.json"
+    report_path = run_dir / "report.md"
+    # Write-then-rename: a pipeline polling for decision.json never reads half a file.
+    tmp = decision_path.with_suffix(".json.tmp")
+    tmp.write_text(json.dumps(doc, indent=2, default=str))
+    tmp.replace(decision_path)
+    report_path.write_text(markdown_report(doc))
+    return {"decision": decision_path, "report": report_path}
