@@ -66,6 +66,7 @@ class Fleet:
     progress: Progress = print
     actor_name_prefix: str | None = None  # named actors let a later process reattach
     namespace: str | None = None
+    bind_host: str = "127.0.0.1"  # "0.0.0.0" when Locust or the router run on another node
     placement_timeout_s: float = 60.0
     poll_s: float = 2.0
     replicas: list[ReplicaHandle] = field(default_factory=list)
@@ -110,7 +111,7 @@ class Fleet:
                 if self.namespace:
                     options["namespace"] = self.namespace
                 actor = VLLMReplica.options(**options).remote(
-                    name, arm.name, arm.engine.model_dump(), str(Path(self.log_dir).resolve())
+                    name, arm.name, arm.engine.model_dump(), str(Path(self.log_dir).resolve()), self.bind_host
                 )
                 self.replicas.append(ReplicaHandle(name=name, arm=arm.name, actor=actor))
                 index += 1

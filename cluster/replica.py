@@ -164,11 +164,16 @@ class VLLMReplicaServer:
 
     @property
     def url(self) -> str | None:
-        return f"http://{self.host}:{self._port}" if self._port else None
+        if not self._port:
+            return None
+        # Bound to every interface (multi-node clusters): others reach it by the node's IP.
+        host = ray.util.get_node_ip_address() if self.host in ("0.0.0.0", "::") else self.host
+        return f"http://{host}:{self._port}"
 
     def _healthy(self) -> bool:
         try:
-            return requests.get(f"{self.url}/health", timeout=2).status_code == 200
+            local = "127.0.0.1" if self.host in ("0.0.0.0", "::") else self.host
+            return requests.get(f"http://{local}:{self._port}/health", timeout=2).status_code == 200
         except requests.RequestException:
             return False  # connection refused until the model is loaded
 

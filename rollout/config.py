@@ -99,6 +99,10 @@ class RayConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     address: str = Field("auto", description="'auto': the cluster this job runs in, else a local instance")
+    bind_host: str = Field(
+        "127.0.0.1",
+        description="interface replicas and the router listen on; '0.0.0.0' on a multi-node cluster",
+    )
 
 
 class RolloutConfig(BaseModel):

@@ -30,6 +30,7 @@ from typing import Any
 import numpy as np
 import ray
 import requests
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from cluster.fleet import ArmSpec, Fleet, FleetStartError
 from cluster.metrics import MetricsSnapshot, SpecDecodeStats
@@ -164,6 +165,11 @@ class Controller:
             self._preflight()
             if self.result.decision is None and cfg.accuracy.enabled:
                 self._accuracy()
+                if any(g.verdict == Verdict.FAIL for g in self.result.gates if is_enabled(g.name, cfg.gates)):
+                    # Fail fast: a canary that already lost accuracy gets no load.
+                    self.say("accuracy: a gate failed; skipping the experiment")
+                    self.event("accuracy", "abort", "accuracy gate failed")
+                    self._decide()
             if self.result.decision is None and cfg.experiment.enabled:
                 self._experiment()
             if self.result.decision is None:
@@ -208,13 +214,17 @@ class Controller:
             for arm, engine in self.engines.items()
         ]
         self.event("fleet", "start", ", ".join(f"{a.name} x{a.replicas}" for a in arms))
-        self.fleet = Fleet(arms, log_dir=str(self.run_dir / "logs"), progress=self.say)
+        self.fleet = Fleet(arms, log_dir=str(self.run_dir / "logs"), progress=self.say, bind_host=cfg.ray.bind_host)
         urls = self.fleet.start(timeout_s=cfg.startup_timeout_s)
         self.result.timings["fleet_start_s"] = time.monotonic() - t0
         self.event("fleet", "ready", f"{sum(len(u) for u in urls.values())} replicas")
 
-        self.router = Router.remote(initial_weights={BASELINE: 100.0, CANARY: 0.0}, seed=0)
-        self.router_url = ray.get(self.router.start.remote())
+        # The router runs on this (the driver's) node: Locust, started here, reaches it locally.
+        here = NodeAffinitySchedulingStrategy(node_id=ray.get_runtime_context().get_node_id(), soft=False)
+        self.router = Router.options(scheduling_strategy=here).remote(
+            initial_weights={BASELINE: 100.0, CANARY: 0.0}, seed=0
+        )
+        self.router_url = ray.get(self.router.start.remote(host=cfg.ray.bind_host))
         ray.get(self.router.set_arms.remote(urls))
         self.canary_weight = 0.0
         self.say(f"router: {self.router_url} (canary weight 0% until judged)")

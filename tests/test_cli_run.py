@@ -1,0 +1,144 @@
+"""`mtp-canary run` end to end: real vLLM CPU replicas, real Ray, real Locust, real SQLite."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import sqlite3
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import psutil
+import pytest
+
+from tests.conftest import REPO, wait_no_server_processes
+
+pytestmark = pytest.mark.vllm
+
+
+def run_cli(*args: str, timeout: float = 900) -> subprocess.CompletedProcess:
+    return subprocess.run(
+        [sys.executable, "-m", "rollout", *args],
+        cwd=REPO,
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        env={**os.environ, "PYTHONUNBUFFERED": "1"},
+    )
+
+
+def decision_of(runs_dir: Path, run_id: str) -> dict:
+    return json.loads((runs_dir / run_id / "decision.json").read_text())
+
+
+def failed_gates(doc: dict) -> set[str]:
+    return {g["name"] for g in doc["gates"] if g["verdict"] == "fail"}
+
+
+def ray_processes() -> list[psutil.Process]:
+    out = []
+    for p in psutil.process_iter(["name", "cmdline"]):
+        try:
+            if p.info["name"] in ("raylet", "gcs_server") or "ray/_private/workers/default_worker.py" in " ".join(p.info["cmdline"] or []):
+                out.append(p)
+        except psutil.NoSuchProcess:
+            pass
+    return out
+
+
+def test_local_cpu_default_promotes_with_a_full_decision_record(tmp_path):
+    runs = tmp_path / "runs"
+    proc = run_cli("run", "configs/local-cpu.yaml", "--runs-dir", str(runs), "--run-id", "promote", "--eval-limit", "96")
+    print(proc.stdout[-6000:], proc.stderr[-3000:])
+    assert proc.returncode == 0, proc.stdout[-2000:]
+    doc = decision_of(runs, "promote")
+    assert doc["decision"] == "promote"
+    names = {g["name"]: g for g in doc["gates"]}
+    for gate in ("accuracy_noninferiority", "output_divergence", "tpot_p50_improvement", "ttft_p95_guard",
+                 "error_rate_guard", "acceptance_length_floor"):
+        assert names[gate]["verdict"] == "pass", names[gate]
+    tpot = names["tpot_p50_improvement"]
+    assert tpot["canary"] < tpot["baseline"] * 0.9
+    canary_sd = doc["spec_decode"]["canary"]
+    assert canary_sd["acceptance_rate"] >= 0.9
+    assert len(canary_sd["per_position"]) == 3
+    assert canary_sd["mean_acceptance_length"] > 3.5
+    assert doc["arms"]["canary"]["engine"]["speculative_config"]["num_speculative_tokens"] == 3
+    assert doc["timeline"][-1]["canary_weight"] == 100
+    assert "same MTP layer" in json.dumps(doc["engine_warnings"]["canary-0"])
+    assert (runs / "promote" / "report.md").read_text().count("**pass**") >= 6
+    # Every request record of every window is in SQLite once, and equals the JSONL.
+    jsonl = sum(len(p.read_text().splitlines()) for p in (runs / "promote" / "experiment").rglob("records.jsonl"))
+    db = sqlite3.connect(runs / "history.db")
+    assert db.execute("SELECT COUNT(*) FROM request_samples WHERE run_id='promote'").fetchone()[0] == jsonl > 0
+    assert db.execute("SELECT decision, exit_code FROM runs WHERE run_id='promote'").fetchone() == ("promote", 0)
+    assert wait_no_server_processes() == []
+
+
+def test_bad_drafts_roll_back_on_latency_or_acceptance(tmp_path):
+    runs = tmp_path / "runs"
+    proc = run_cli("run", "configs/examples/local-bad-drafts.yaml", "--runs-dir", str(runs), "--run-id", "bad", "--eval-limit", "32")
+    print(proc.stdout[-6000:], proc.stderr[-3000:])
+    assert proc.returncode == 3, proc.stdout[-2000:]
+    doc = decision_of(runs, "bad")
+    assert doc["decision"] == "rollback"
+    assert failed_gates(doc) & {"tpot_p50_improvement", "acceptance_length_floor"}
+    assert doc["spec_decode"]["canary"]["acceptance_rate"] < 0.3
+    assert doc["timeline"][-1]["canary_weight"] == 0
+    assert wait_no_server_processes() == []
+
+
+def test_broken_canary_rolls_back_on_accuracy_before_any_load(tmp_path):
+    runs = tmp_path / "runs"
+    proc = run_cli("run", "configs/examples/local-broken-canary.yaml", "--runs-dir", str(runs), "--run-id", "broken")
+    print(proc.stdout[-6000:], proc.stderr[-3000:])
+    assert proc.returncode == 3, proc.stdout[-2000:]
+    doc = decision_of(runs, "broken")
+    assert doc["decision"] == "rollback"
+    assert {"accuracy_noninferiority", "output_divergence"} <= failed_gates(doc)
+    assert doc["accuracy"]["items"] < doc["accuracy"]["planned_items"]  # stopped early
+    assert doc["experiment"] == {}  # no load was sent to a broken canary
+    assert wait_no_server_processes() == []
+
+
+def test_bad_config_exits_2_with_one_line_and_starts_nothing(tmp_path):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text((REPO / "configs" / "local-cpu.yaml").read_text().replace("max_windows: 5", "max_windows: 0"))
+    proc = run_cli("run", str(bad), "--runs-dir", str(tmp_path / "runs"), timeout=120)
+    assert proc.returncode == 2
+    assert "experiment.max_windows" in proc.stderr
+    assert len(proc.stderr.strip().splitlines()) == 1
+    assert not (tmp_path / "runs").exists()
+
+
+def test_sigint_mid_run_leaves_no_vllm_locust_or_ray_process(tmp_path):
+    runs = tmp_path / "runs"
+    log = tmp_path / "out.log"
+    with open(log, "w") as out:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "rollout", "run", "configs/local-cpu.yaml", "--runs-dir", str(runs), "--run-id", "intr",
+             "--eval-limit", "16"],
+            cwd=REPO, stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
+            env={**os.environ, "PYTHONUNBUFFERED": "1"},
+        )
+    try:
+        deadline = time.monotonic() + 600
+        while "experiment: window 1 running" not in log.read_text():
+            assert proc.poll() is None, log.read_text()[-3000:]
+            assert time.monotonic() < deadline, "the run never reached the experiment"
+            time.sleep(1)
+        os.killpg(proc.pid, signal.SIGINT)  # what Ctrl-C in a terminal does
+        assert proc.wait(timeout=120) != 0
+    finally:
+        if proc.poll() is None:
+            os.killpg(proc.pid, signal.SIGKILL)
+    assert wait_no_server_processes(timeout_s=30) == [], log.read_text()[-3000:]
+    deadline = time.monotonic() + 30
+    while ray_processes() and time.monotonic() < deadline:
+        time.sleep(1)
+    assert ray_processes() == []
+    db = sqlite3.connect(runs / "history.db")
+    assert db.execute("SELECT status FROM runs WHERE run_id='intr'").fetchone()[0] == "error"

@@ -1,0 +1,62 @@
+from pathlib import Path
+
+import pytest
+
+from rollout.config import ConfigError, load_config, parse_config
+
+REPO = Path(__file__).resolve().parent.parent
+SHIPPED = sorted((REPO / "configs").rglob("*.yaml"))
+
+
+def minimal(**overrides) -> dict:
+    arm = {"tiny_model": {}, "engine": {"device": "cpu", "speculative_config": {"method": "mtp", "num_speculative_tokens": 1}}}
+    data = {"name": "t", "baseline": arm, "canary": {**arm, "engine": {**arm["engine"], "speculative_config": {"method": "mtp", "num_speculative_tokens": 3}}}}
+    data.update(overrides)
+    return data
+
+
+@pytest.mark.parametrize("path", SHIPPED, ids=lambda p: p.name)
+def test_every_shipped_config_validates(path):
+    cfg = load_config(path)
+    assert cfg.canary.engine.num_speculative_tokens == 3
+    assert cfg.baseline.engine.num_speculative_tokens == 1
+
+
+def test_the_gpu_target_config_is_mimo_v25_at_tensor_parallel_4():
+    cfg = load_config(REPO / "configs" / "mimo-v2.5-mtp.yaml")
+    assert cfg.canary.engine.model == "XiaomiMiMo/MiMo-V2.5"
+    assert cfg.canary.engine.tensor_parallel_size == 4
+    assert cfg.canary.engine.trust_remote_code
+    assert "--no-async-scheduling" in cfg.baseline.engine.extra_args
+    assert cfg.accuracy.kind == "gsm8k"
+
+
+@pytest.mark.parametrize(
+    "data, names",
+    [
+        (minimal(unknown_key=1), "unknown_key"),
+        (minimal(canary={"replicas": 2, "tiny_model": {}, "engine": {"device": "cpu"}}), "replicas"),
+        (minimal(experiment={"window_s": 1}), "experiment.window_s"),
+        (minimal(gates={"alpha": 2}), "gates.alpha"),
+        (minimal(name="bad name"), "name"),
+        (minimal(baseline={"engine": {"device": "cpu"}}), "baseline.engine.model"),
+    ],
+)
+def test_bad_configs_get_one_line_naming_the_field(data, names):
+    with pytest.raises(ConfigError) as err:
+        parse_config(data)
+    message = str(err.value)
+    assert names in message
+    assert "\n" not in message
+
+
+def test_yaml_syntax_error_names_the_line(tmp_path):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("name: x\nbaseline: [unclosed\n")
+    with pytest.raises(ConfigError, match="line"):
+        load_config(bad)
+
+
+def test_missing_file_is_a_config_error(tmp_path):
+    with pytest.raises(ConfigError, match="cannot read"):
+        load_config(tmp_path / "nope.yaml")

@@ -1,0 +1,67 @@
+"""GPU placement logic on a fake multi-node GPU cluster (ray.cluster_utils.Cluster)."""
+
+import pytest
+import ray
+from ray.cluster_utils import Cluster
+
+from cluster.engine_spec import EngineSpec
+from cluster.fleet import ArmSpec, Fleet, FleetStartError
+
+
+@pytest.fixture(scope="module")
+def fake_gpu_cluster():
+    if ray.is_initialized():
+        ray.shutdown()
+    cluster = Cluster(initialize_head=True, head_node_args={"num_cpus": 1, "num_gpus": 0})
+    for _ in range(2):
+        cluster.add_node(num_cpus=1, num_gpus=4)
+    ray.init(address=cluster.address, log_to_driver=False)
+    yield cluster
+    ray.shutdown()
+    cluster.shutdown()
+
+
+def tp4(k: int) -> EngineSpec:
+    return EngineSpec(
+        model="XiaomiMiMo/MiMo-V2.5",
+        served_model_name="mimo",
+        tensor_parallel_size=4,
+        trust_remote_code=True,
+        speculative_config={"method": "mtp", "num_speculative_tokens": k},
+    )
+
+
+def test_each_tp4_replica_gets_four_gpus_of_one_node(fake_gpu_cluster, tmp_path):
+    fleet = Fleet(
+        [ArmSpec(name="baseline", engine=tp4(1)), ArmSpec(name="canary", engine=tp4(3))],
+        log_dir=str(tmp_path),
+        progress=lambda m: None,
+        bind_host="0.0.0.0",
+    )
+    try:
+        handles = fleet.create_actors()
+        planned = ray.get([h.actor.planned_launch.remote(8000) for h in handles])
+        nodes = ray.get([h.actor.status.remote() for h in handles])
+        for cmd, env in planned:
+            gpus = env["CUDA_VISIBLE_DEVICES"].split(",")
+            assert len(gpus) == 4 and len(set(gpus)) == 4
+            assert cmd[cmd.index("--tensor-parallel-size") + 1] == "4"
+            assert cmd[cmd.index("--host") + 1] == "0.0.0.0"
+        # 2 replicas x 4 GPUs on 2 nodes of 4 GPUs: one replica per node.
+        assert len({n.node_ip for n in nodes}) >= 1
+        assert ray.available_resources().get("GPU", 0) == 0
+    finally:
+        fleet.teardown()
+    assert ray.available_resources().get("GPU", 0) == 8
+
+
+def test_a_fleet_the_cluster_cannot_hold_fails_at_once_naming_the_shortfall(fake_gpu_cluster, tmp_path):
+    fleet = Fleet(
+        [ArmSpec(name="baseline", engine=tp4(1), replicas=2), ArmSpec(name="canary", engine=tp4(3), replicas=2)],
+        log_dir=str(tmp_path),
+        progress=lambda m: None,
+        placement_timeout_s=3,
+    )
+    with pytest.raises(FleetStartError, match="cannot place every replica"):
+        fleet.start()
+    assert ray.available_resources().get("GPU", 0) == 8
