@@ -190,11 +190,15 @@ class Fleet:
         """Stop every server (SIGTERM then SIGKILL), kill the actors, free the GPUs."""
         if not self.replicas and self._placement_group is None:
             return
-        pending = [r.actor.stop.remote() for r in self.replicas]
-        try:
-            ray.get(pending, timeout=60)
-        except Exception as exc:  # an actor already dead: its reaper stops the server
-            self.progress(f"fleet: teardown: {type(exc).__name__}: {exc}")
+        pending = [(r, r.actor.stop.remote()) for r in self.replicas]
+        # Wait for every stop before killing any actor: Ray kills a dead actor's
+        # child processes, and a stop cut short would orphan the engine processes.
+        deadline = time.monotonic() + 60
+        for r, ref in pending:
+            try:
+                ray.get(ref, timeout=max(1.0, deadline - time.monotonic()))
+            except Exception as exc:  # an actor already dead: its reaper stops the server
+                self.progress(f"fleet: teardown: {r.name}: {type(exc).__name__}")
         for r in self.replicas:
             try:
                 ray.kill(r.actor)

@@ -7,6 +7,11 @@ stop those processes. The actor therefore also starts this small watchdog in a
 session of its own: when the owner pid disappears it sends SIGTERM to the group,
 then SIGKILL after a grace period. It exits as soon as the group is empty.
 
+The watchdog detaches (forks, and the parent exits) so that it is not a child
+of the owner: Ray kills a dead worker's direct children, which would take the
+watchdog down with the actor and leave the engine processes orphaned (seen).
+It exits by itself once the group is empty.
+
 Usage: python -m cluster.reaper --owner-pid PID --pgid PGID [--grace-s 10]
 """
 
@@ -72,6 +77,8 @@ def main() -> None:
     # The reaper must outlive its owner's Ctrl-C and SIGTERM.
     signal.signal(signal.SIGINT, signal.SIG_IGN)
     signal.signal(signal.SIGTERM, signal.SIG_IGN)
+    if os.fork() != 0:
+        os._exit(0)  # the owner's direct child ends here; the watchdog lives on, reparented
     watch(args.owner_pid, args.pgid, args.grace_s)
 
 

@@ -108,7 +108,6 @@ class VLLMReplicaServer:
         self.host = host
         self.log_path = str(Path(log_dir) / f"{name}.log")
         self._proc: subprocess.Popen | None = None
-        self._reaper: subprocess.Popen | None = None
         self._port: int | None = None
         self._started_at: float | None = None
         self._state = ReplicaState.PENDING
@@ -152,13 +151,16 @@ class VLLMReplicaServer:
             return self.status()
         finally:
             log.close()
-        self._reaper = subprocess.Popen(
+        # The watchdog detaches itself and exits once the group is gone.
+        subprocess.run(
             [sys.executable, "-m", "cluster.reaper", "--owner-pid", str(os.getpid()), "--pgid", str(self._proc.pid)],
             stdin=subprocess.DEVNULL,
             stdout=subprocess.DEVNULL,
             stderr=subprocess.DEVNULL,
             start_new_session=True,
             cwd=str(Path(__file__).resolve().parent.parent),
+            check=True,
+            timeout=60,
         )
         return self.status()
 
@@ -261,10 +263,6 @@ class VLLMReplicaServer:
                 # The API server may be gone while its engine processes linger.
                 kill_group(pgid, grace_s=max(1.0, grace_s / 3))
             self._proc.poll()
-        if self._reaper is not None:
-            self._reaper.kill()
-            self._reaper.wait()
-            self._reaper = None
         if self._state != ReplicaState.FAILED:
             self._state = ReplicaState.STOPPED
         return ReplicaStatus(

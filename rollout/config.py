@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
@@ -95,6 +95,49 @@ class ExperimentConfig(BaseModel):
         return self
 
 
+class RolloutStep(BaseModel):
+    """One traffic step of the progressive phase (Argo Rollouts' setWeight + pause)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    canary_weight: float = Field(..., ge=0, le=100, description="percent of traffic to the canary")
+    bake_s: int = Field(30, ge=1, description="how long the step runs, judged every guard window")
+    pause: bool = Field(False, description="after baking, wait for `mtp-canary promote|abort RUN_ID`")
+
+
+class GuardConfig(BaseModel):
+    """Guards judged on the canary's live data every window of the progressive phase."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    window_s: int = Field(10, ge=2, description="seconds per guard window")
+    min_requests: int = Field(5, ge=1, description="canary requests a window needs before latency guards judge it")
+    error_rate_max_increase: float = Field(0.05, ge=0, le=1, description="canary minus baseline error rate in a window")
+    ttft_p95_max_s: float | None = Field(None, gt=0, description="absolute SLO on the canary's TTFT p95")
+    tpot_p95_max_s: float | None = Field(None, gt=0, description="absolute SLO on the canary's TPOT p95")
+    min_acceptance_length: float | None = Field(None, ge=1, description="floor on the canary's mean acceptance length")
+
+
+class ProgressiveConfig(BaseModel):
+    """Canary weight steps with bake time after the experiment; a failed guard aborts at once."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    enabled: bool = False
+    steps: list[RolloutStep] = Field(default_factory=list)
+    guards: GuardConfig = Field(default_factory=GuardConfig)
+    users: int = Field(4, ge=1, description="closed-loop streams through the router during the steps")
+    rate: float | None = Field(None, gt=0, description="open loop instead: total requests/s through the router")
+    pause_timeout_s: float = Field(600, gt=0, description="how long a pause waits for promote/abort")
+    on_pause_timeout: Literal["abort", "promote"] = Field("abort", description="what an unanswered pause becomes")
+
+    @model_validator(mode="after")
+    def _steps_when_enabled(self) -> "ProgressiveConfig":
+        if self.enabled and not self.steps:
+            raise ValueError("steps must list at least one step when progressive is enabled")
+        return self
+
+
 class RayConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
@@ -117,6 +160,8 @@ class RolloutConfig(BaseModel):
     accuracy: AccuracyConfig = Field(default_factory=AccuracyConfig)
     experiment: ExperimentConfig = Field(default_factory=ExperimentConfig)
     gates: GatesConfig = Field(default_factory=GatesConfig)
+    progressive: ProgressiveConfig = Field(default_factory=ProgressiveConfig)
+    webhook_url: str | None = Field(None, description="POST decision.json here when the run ends (never blocks it)")
     keep_fleet: bool = Field(False, description="leave the replicas running after the decision")
     startup_timeout_s: float = Field(900, gt=0, description="all replicas must be ready within this")
 
