@@ -177,9 +177,19 @@ class Fleet:
         return [r for r in self.replicas if r.arm == arm]
 
     def metrics(self) -> dict[str, MetricsSnapshot]:
-        """replica name -> /metrics snapshot, scraped from every replica at (nearly) the same moment."""
-        snapshots = ray.get([r.actor.metrics.remote() for r in self.replicas])
-        return {r.name: s for r, s in zip(self.replicas, snapshots)}
+        """replica name -> /metrics snapshot, scraped from every replica at (nearly) the same moment.
+
+        A replica that cannot be scraped (server or actor gone) is left out; the
+        caller treats missing data as missing, never as zero.
+        """
+        refs = [(r, r.actor.metrics.remote()) for r in self.replicas]
+        snapshots: dict[str, MetricsSnapshot] = {}
+        for r, ref in refs:
+            try:
+                snapshots[r.name] = ray.get(ref, timeout=30)
+            except Exception as exc:
+                self.progress(f"fleet: {r.name}: /metrics not scraped: {type(exc).__name__}")
+        return snapshots
 
     def engine_warnings(self) -> dict[str, list[str]]:
         warnings = ray.get([r.actor.engine_warnings.remote() for r in self.replicas])

@@ -247,6 +247,9 @@ class Controller:
             except (requests.RequestException, KeyError, ValueError) as exc:
                 raise InfrastructureError(f"preflight: replica {handle.name} did not answer: {exc}") from None
         metrics = self.fleet.metrics()
+        missing = [h.name for h in self.fleet.replicas if h.name not in metrics]
+        if missing:
+            raise InfrastructureError(f"preflight: /metrics of {missing} could not be scraped")
         warnings = self.fleet.engine_warnings()
         self.result.engine_warnings = warnings
         canary_drafts = sum(metrics[h.name].spec_decode.drafts for h in self.fleet.handles(CANARY))
@@ -380,6 +383,7 @@ class Controller:
         records: list[RequestRecord] = []
         windows_of: list[int] = []
         spec_delta: dict[str, SpecDecodeStats] = {}
+        unscraped: set[str] = set()
         latency_gates: list[GateResult] = []
         acceptance_gate: GateResult | None = None
         window_summaries = []
@@ -396,14 +400,20 @@ class Controller:
             for handle in self.fleet.replicas:
                 if handle.arm == TWIN:
                     continue
+                if handle.name not in before or handle.name not in after:
+                    # A replica that vanished: its arm's acceptance is unknown, not zero.
+                    unscraped.add(handle.arm)
+                    continue
                 delta = after[handle.name].delta(before[handle.name])
                 spec_delta[handle.arm] = spec_delta.get(handle.arm, SpecDecodeStats()) + delta.spec_decode
             baseline = _latency_samples(records, windows_of, BASELINE)
             canary = _latency_samples(records, windows_of, CANARY)
             latency_gates = judge_latency(baseline, canary, gates_cfg, look=window, max_looks=max_looks)
             canary_sd = spec_delta.get(CANARY, SpecDecodeStats())
-            acceptance_gate = judge_acceptance(canary_sd.mean_acceptance_length, int(canary_sd.drafts), gates_cfg)
-            if self.engines[CANARY].num_speculative_tokens > 0 and canary_sd.drafts <= 0:
+            acceptance_gate = judge_acceptance(
+                None if CANARY in unscraped else canary_sd.mean_acceptance_length, int(canary_sd.drafts), gates_cfg
+            )
+            if CANARY not in unscraped and self.engines[CANARY].num_speculative_tokens > 0 and canary_sd.drafts <= 0:
                 acceptance_gate = acceptance_gate.model_copy(
                     update={"verdict": Verdict.FAIL, "detail": "the speculative canary made no drafts under load"}
                 )
