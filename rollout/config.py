@@ -175,8 +175,8 @@ class RolloutConfig(BaseModel):
         if self.accuracy.enabled and self.accuracy.kind == "golden" and not self.accuracy.path:
             if self.baseline.tiny_model is None:
                 raise ValueError("accuracy.path is required for a golden eval (or serve tiny_model)")
-        if not self.accuracy.enabled and not self.experiment.enabled:
-            raise ValueError("accuracy and experiment are both disabled: nothing to judge")
+        if not self.accuracy.enabled and not self.experiment.enabled and not self.progressive.enabled:
+            raise ValueError("accuracy, experiment and progressive are all disabled: nothing to judge")
         return self
 
 

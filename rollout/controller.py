@@ -81,6 +81,7 @@ class RunResult:
     preflight: dict[str, Any] = field(default_factory=dict)
     accuracy: dict[str, Any] = field(default_factory=dict)
     experiment: dict[str, Any] = field(default_factory=dict)
+    progressive: dict[str, Any] = field(default_factory=dict)
     spec_decode: dict[str, dict] = field(default_factory=dict)
     engine_warnings: dict[str, list[str]] = field(default_factory=dict)
     arms: dict[str, dict] = field(default_factory=dict)
@@ -174,6 +175,10 @@ class Controller:
                 self._experiment()
             if self.result.decision is None:
                 self._decide()
+            # Traffic steps only for a canary the experiment judged fit (or when
+            # the steps are the only judge configured).
+            if cfg.progressive.enabled and (self.result.decision == Decision.PROMOTE or not self.result.gates):
+                self._progressive()
             self._finish_traffic()
         except (InfrastructureError, FleetStartError, SwarmError) as exc:
             self.result.error = str(exc)
@@ -507,6 +512,61 @@ class Controller:
         else:
             reason = "not enough evidence: " + ", ".join(open_) if open_ else "no gate was judged"
         self.result.decision, self.result.reason = decision, reason
+
+    # -- progressive -----------------------------------------------------------
+    def _progressive(self) -> None:
+        """Canary weight steps with bake time; the judged verdict stands only if every step holds."""
+        from rollout.progressive import ProgressiveContext, run_progressive
+
+        prog, exp = self.cfg.progressive, self.cfg.experiment
+        self.say(
+            "progressive: steps "
+            + " -> ".join(f"{s.canary_weight:g}%" + (" (pause)" if s.pause else "") for s in prog.steps)
+        )
+        self.event("progressive", "start", f"{len(prog.steps)} steps")
+        t0 = time.monotonic()
+        context = ProgressiveContext(
+            run_id=self.run_id,
+            run_dir=self.run_dir,
+            config=prog,
+            router=self.router,
+            router_url=self.router_url,
+            model=self.engines[BASELINE].served_model_name,
+            traffic={
+                "dataset": exp.dataset,
+                "dataset_path": exp.dataset_path,
+                "input_tokens": exp.input_tokens,
+                "max_tokens": exp.max_tokens,
+                "endpoint": exp.endpoint,
+                "seed": exp.seed + 1000,
+            },
+            set_canary_weight=lambda weight, reason: self.set_canary_weight(weight, "progressive", reason),
+            event=lambda event, reason: self.event("progressive", event, reason),
+            say=lambda message: self.say(f"progressive: {message}"),
+            scrape=self.fleet.metrics,
+            replica_arms={h.name: h.arm for h in self.fleet.replicas},
+            replicas_alive=self._replicas_alive,
+            store=self.store,
+            speculative_canary=self.engines[CANARY].num_speculative_tokens > 0,
+        )
+        outcome = run_progressive(context)
+        self.result.progressive = {
+            "steps_completed": outcome.steps_completed,
+            "observed_split": outcome.observed_split,
+            "duration_s": time.monotonic() - t0,
+        }
+        self.result.gates += outcome.guards
+        self.result.decision = outcome.decision
+        self.result.reason = outcome.reason if outcome.decision != Decision.PROMOTE else self.result.reason
+
+    def _replicas_alive(self) -> dict[str, bool]:
+        alive = {}
+        for handle in self.fleet.replicas:
+            try:
+                alive[handle.name] = bool(ray.get(handle.actor.alive.remote(), timeout=10))
+            except Exception:
+                alive[handle.name] = False
+        return alive
 
     def _finish_traffic(self) -> None:
         decision = self.result.decision

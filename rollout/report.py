@@ -54,6 +54,7 @@ def decision_document(result: "RunResult") -> dict[str, Any]:
         "preflight": result.preflight,
         "accuracy": result.accuracy,
         "experiment": result.experiment,
+        "progressive": result.progressive,
         "engine_warnings": result.engine_warnings,
         "gates_config": result.config.gates.model_dump(mode="json"),
         "timings": {k: round(v, 3) for k, v in result.timings.items()},
