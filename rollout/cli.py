@@ -1,4 +1,4 @@
-"""`mtp-canary` (same as `python -m rollout`): run a canary, write the tiny model, calibrate, history.
+"""`mtp-canary` (same as `python -m rollout`): run a canary, answer or watch it, history, tiny model, calibrate.
 
 Exit codes of `run`: 0 promote, 3 rollback, 4 inconclusive, 2 bad config or
 usage, 1 infrastructure error.
@@ -92,19 +92,158 @@ def _cmd_calibrate(args: argparse.Namespace) -> int:
     return 0
 
 
-def _cmd_history(args: argparse.Namespace) -> int:
+def _open_store(runs_dir: str, command: str):
+    """The runs directory's history, or None (with one line on stderr) when there is none."""
     from rollout.store import RunStore
 
-    db = Path(args.runs_dir) / "history.db"
+    db = Path(runs_dir) / "history.db"
     if not db.exists():
-        print(f"mtp-canary history: no runs in {args.runs_dir}", file=sys.stderr)
-        return EXIT_USAGE
-    store = RunStore(db)
-    for run in store.runs():
-        import time as _time
+        print(f"mtp-canary {command}: no runs in {runs_dir} (no history.db)", file=sys.stderr)
+        return None
+    return RunStore(db)
 
-        when = _time.strftime("%Y-%m-%d %H:%M", _time.localtime(run["created_at"]))
-        print(f"{run['run_id']}  {run['name']}  {run['model']}  {run['decision'] or run['status']}  {when}  {run['reason'] or ''}")
+
+def _arms_of(config_json: str | None) -> str:
+    """'baseline k=1 x1, canary k=3 x1' from a stored run config (k: speculative tokens, 0 = none)."""
+    try:
+        config = json.loads(config_json or "{}")
+    except ValueError:
+        return "?"
+    parts = []
+    for arm in ("baseline", "canary"):
+        spec = config.get(arm) or {}
+        engine = spec.get("engine") or {}
+        k = (engine.get("speculative_config") or {}).get("num_speculative_tokens", 0) or 0
+        parts.append(f"{arm} k={k} x{spec.get('replicas', 1)}")
+    if config.get("twin_baseline"):
+        parts.append("twin")
+    return ", ".join(parts)
+
+
+def _when(epoch: float | None) -> str:
+    import time as _time
+
+    return _time.strftime("%Y-%m-%d %H:%M", _time.localtime(epoch)) if epoch else "-"
+
+
+def _cmd_history(args: argparse.Namespace) -> int:
+    store = _open_store(args.runs_dir, "history")
+    if store is None:
+        return EXIT_USAGE
+    stable = store.stable_run_ids()
+    for run in store.runs():
+        decision = run["decision"] or run["status"]
+        if run["run_id"] in stable:
+            decision += " (stable)"
+        why = " ".join((run["reason"] or "").split())
+        print(f"{run['run_id']}  {run['model']}  [{_arms_of(run['config_json'])}]  {decision}  {_when(run['created_at'])}  {why}")
+    return 0
+
+
+def _send_command(args: argparse.Namespace) -> int:
+    command = args.command
+    store = _open_store(args.runs_dir, command)
+    if store is None:
+        return EXIT_USAGE
+    run = store.run(args.run_id)
+    if run is None:
+        print(f"mtp-canary {command}: no run {args.run_id!r} in {args.runs_dir}", file=sys.stderr)
+        return EXIT_USAGE
+    if run["status"] != "running":
+        outcome = run["decision"] or run["status"]
+        print(f"mtp-canary {command}: run {args.run_id} already finished ({outcome})", file=sys.stderr)
+        return EXIT_USAGE
+    store.add_command(args.run_id, command)
+    when = "answers its (next) pause" if command == "promote" else "rolls it back at its next guard check"
+    print(f"mtp-canary {command}: sent to run {args.run_id} ({when})")
+    return 0
+
+
+def run_status(store, run_id: str) -> dict | None:
+    """The status document of a run (what `status --json` prints), or None if unknown."""
+    run = store.run(run_id)
+    if run is None:
+        return None
+    gates = []
+    latest: dict[str, dict] = {}
+    for entry in store.all_phase_results(run_id):
+        result = entry["result"]
+        if isinstance(result, dict):
+            found = result.get("gates")
+        elif isinstance(result, list):
+            found = result
+        else:
+            found = None
+        if not isinstance(found, list):
+            continue
+        for gate in found:
+            if not isinstance(gate, dict) or "name" not in gate or "verdict" not in gate:
+                continue
+            item = {
+                "phase": entry["phase"],
+                "look": entry["look"],
+                "name": gate["name"],
+                "verdict": gate["verdict"],
+                "canary": gate.get("canary"),
+                "threshold": gate.get("threshold"),
+                "detail": gate.get("detail", ""),
+            }
+            if isinstance(result, dict) and "step" in result:
+                item["step"] = result["step"]
+            gates.append(item)
+            latest[f"{entry['phase']}:{gate['name']}"] = item
+    events = store.events(run_id)
+    progressive = [e for e in events if e["phase"] == "progressive" and e["event"] in ("pause", "resume", "pause_timeout", "abort", "done")]
+    paused = bool(progressive) and progressive[-1]["event"] == "pause" and run["status"] == "running"
+    pending = [c["command"] for c in store.commands(run_id) if c["consumed"] is None]
+    return {
+        "run_id": run["run_id"],
+        "name": run["name"],
+        "model": run["model"],
+        "status": run["status"],
+        "phase": run["phase"],
+        "step": run.get("step"),
+        "canary_weight": run.get("canary_weight"),
+        "paused": paused,
+        "pending_commands": pending,
+        "decision": run["decision"] if run["status"] != "running" else None,
+        "exit_code": run["exit_code"],
+        "reason": run["reason"],
+        "created_at": run["created_at"],
+        "updated_at": run["updated_at"],
+        "gates": gates,
+        "latest_gates": list(latest.values()),
+        "last_event": events[-1] if events else None,
+    }
+
+
+def _cmd_status(args: argparse.Namespace) -> int:
+    store = _open_store(args.runs_dir, "status")
+    if store is None:
+        return EXIT_USAGE
+    doc = run_status(store, args.run_id)
+    if doc is None:
+        print(f"mtp-canary status: no run {args.run_id!r} in {args.runs_dir}", file=sys.stderr)
+        return EXIT_USAGE
+    if args.json:
+        print(json.dumps(doc, indent=2, default=str))
+        return 0
+    weight = "-" if doc["canary_weight"] is None else f"{doc['canary_weight']:g}%"
+    step = "-" if doc["step"] is None else str(doc["step"] + 1)
+    state = doc["decision"] or doc["status"]
+    print(f"run {doc['run_id']} ({doc['model']}): {state}{' (PAUSED)' if doc['paused'] else ''}")
+    print(f"  phase {doc['phase'] or '-'}, step {step}, canary weight {weight}")
+    if doc["pending_commands"]:
+        print(f"  pending commands: {', '.join(doc['pending_commands'])}")
+    if doc["reason"]:
+        print(f"  reason: {doc['reason']}")
+    if doc["latest_gates"]:
+        print("  gates (latest look of each):")
+        for gate in doc["latest_gates"]:
+            print(f"    {gate['phase']:<17} {gate['name']:<26} {gate['verdict']:<12} {gate['detail'][:100]}")
+    if doc["last_event"]:
+        e = doc["last_event"]
+        print(f"  last event: {_when(e['time'])} {e['phase']} {e['event']} {e['reason'] or ''}".rstrip())
     return 0
 
 
@@ -141,9 +280,24 @@ def build_parser() -> argparse.ArgumentParser:
     cal.add_argument("--json", action="store_true")
     cal.set_defaults(func=_cmd_calibrate)
 
-    hist = sub.add_parser("history", help="one line per run")
+    hist = sub.add_parser("history", help="one line per run: id, model, arms, decision, when, why")
     hist.add_argument("--runs-dir", default="runs")
     hist.set_defaults(func=_cmd_history)
+
+    status = sub.add_parser("status", help="a run's phase, step, canary weight and gate verdicts so far")
+    status.add_argument("run_id", metavar="RUN_ID")
+    status.add_argument("--runs-dir", default="runs")
+    status.add_argument("--json", action="store_true", help="one JSON object (decision is null while running)")
+    status.set_defaults(func=_cmd_status)
+
+    for name, text in (
+        ("promote", "answer a paused progressive rollout: continue to the next step"),
+        ("abort", "roll a running rollout back now (canary weight 0, decision rollback)"),
+    ):
+        cmd = sub.add_parser(name, help=text)
+        cmd.add_argument("run_id", metavar="RUN_ID")
+        cmd.add_argument("--runs-dir", default="runs")
+        cmd.set_defaults(func=_send_command)
     return parser
 
 

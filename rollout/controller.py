@@ -150,6 +150,7 @@ class Controller:
     def set_canary_weight(self, weight: float, phase: str, reason: str) -> None:
         ray.get(self.router.set_weights.remote({BASELINE: 100.0 - weight, CANARY: weight}))
         self.canary_weight = weight
+        self.store.update_run(self.run_id, canary_weight=weight)
         self.event(phase, "weights", f"canary {weight:g}%: {reason}")
 
     # -- the run ---------------------------------------------------------------
@@ -184,6 +185,9 @@ class Controller:
             self.result.error = str(exc)
             self.say(f"infrastructure error: {exc}")
             self.event("error", "infrastructure_error", str(exc).splitlines()[0])
+            if self.router is not None and self.canary_weight > 0:
+                # No verdict means the stable config serves: traffic back to baseline.
+                self.set_canary_weight(0.0, "error", "infrastructure error")
         except KeyboardInterrupt:
             self.result.error = "interrupted"
             self.event("error", "interrupted", "SIGINT")
@@ -548,6 +552,7 @@ class Controller:
             replicas_alive=self._replicas_alive,
             store=self.store,
             speculative_canary=self.engines[CANARY].num_speculative_tokens > 0,
+            n_workers=exp.workers,
         )
         outcome = run_progressive(context)
         self.result.progressive = {
@@ -560,12 +565,15 @@ class Controller:
         self.result.reason = outcome.reason if outcome.decision != Decision.PROMOTE else self.result.reason
 
     def _replicas_alive(self) -> dict[str, bool]:
+        """Replica name -> alive; a replica that does not answer in time is left out (no evidence)."""
         alive = {}
         for handle in self.fleet.replicas:
             try:
                 alive[handle.name] = bool(ray.get(handle.actor.alive.remote(), timeout=10))
-            except Exception:
-                alive[handle.name] = False
+            except ray.exceptions.GetTimeoutError:
+                continue
+            except ray.exceptions.RayError:
+                alive[handle.name] = False  # the actor itself is gone
         return alive
 
     def _finish_traffic(self) -> None:
@@ -595,9 +603,12 @@ class Controller:
             self.fleet = None
 
     def _record_end(self) -> None:
-        from rollout.report import write_reports
+        from rollout.report import decision_document, write_reports
+        from rollout.webhook import post_decision
 
         self.result.timings["total_s"] = time.time() - self.result.started_at
+        if self.result.decision == Decision.PROMOTE and self.result.error is None:
+            self._write_promoted()
         paths = write_reports(self.result)
         decision = self.result.decision.value if self.result.decision else None
         self.store.update_run(
@@ -608,6 +619,27 @@ class Controller:
             reason=self.result.error or self.result.reason,
         )
         self.say(f"report: {paths['decision']} and {paths['report']}")
+        if self.cfg.webhook_url:
+            outcome = post_decision(self.cfg.webhook_url, decision_document(self.result))
+            state = f"delivered (HTTP {outcome.status})" if outcome.ok else f"not delivered: {outcome.error}"
+            self.say(f"webhook: {self.cfg.webhook_url}: {state} after {outcome.attempts} attempt(s)")
+
+    def _write_promoted(self) -> None:
+        """The canary's arm becomes the stable one: promoted.yaml is an arm spec a later run can use as baseline."""
+        import yaml
+
+        canary = self.cfg.canary.model_dump(mode="json", exclude_none=True)
+        if self.cfg.canary.tiny_model is None:
+            canary.pop("tiny_model", None)
+        promoted = {"promoted_from_run": self.run_id, "baseline": canary}
+        path = self.run_dir / "promoted.yaml"
+        path.write_text(
+            "# The promoted (now stable) arm of run " + self.run_id + ": paste under `baseline:` of the next run.\n"
+            + yaml.safe_dump(promoted, sort_keys=False)
+        )
+        model = self.store.run(self.run_id)["model"]
+        self.store.mark_stable(model, self.run_id, self.result.arms[CANARY]["engine"])
+        self.event("decide", "stable", f"{path.name} written; stable config for {model}")
 
 
 # -- pure helpers --------------------------------------------------------------

@@ -62,7 +62,31 @@ CREATE TABLE IF NOT EXISTS eval_outcomes (
     outcome_json TEXT NOT NULL,
     PRIMARY KEY (run_id, item_id, arm)
 );
+CREATE TABLE IF NOT EXISTS commands (
+    seq         INTEGER PRIMARY KEY AUTOINCREMENT,
+    run_id      TEXT NOT NULL,
+    command     TEXT NOT NULL,          -- promote | abort
+    time        REAL NOT NULL,
+    consumed    REAL                    -- when the run took it; NULL while pending
+);
+CREATE INDEX IF NOT EXISTS commands_pending ON commands (run_id, consumed);
+CREATE TABLE IF NOT EXISTS stable (
+    seq         INTEGER PRIMARY KEY AUTOINCREMENT,
+    model       TEXT NOT NULL,
+    run_id      TEXT NOT NULL,
+    engine_json TEXT NOT NULL,
+    time        REAL NOT NULL
+);
 """
+
+# Columns added after the first schema: (table, column, type). A database written by
+# an older version gets them on open (ALTER TABLE ADD COLUMN; existing rows read NULL).
+ADDED_COLUMNS = (
+    ("runs", "step", "INTEGER"),  # progressive phase: index of the current step (0-based)
+    ("runs", "canary_weight", "REAL"),  # the canary's traffic weight (percent) as last set
+)
+
+COMMANDS = ("promote", "abort")
 
 
 class RunStore:
@@ -75,6 +99,17 @@ class RunStore:
         self._db.row_factory = sqlite3.Row
         self._db.execute("PRAGMA journal_mode=WAL")
         self._db.executescript(SCHEMA)
+        self._add_missing_columns()
+
+    def _add_missing_columns(self) -> None:
+        for table, column, kind in ADDED_COLUMNS:
+            have = {row[1] for row in self._db.execute(f"PRAGMA table_info({table})")}
+            if column not in have:
+                try:
+                    self._db.execute(f"ALTER TABLE {table} ADD COLUMN {column} {kind}")
+                except sqlite3.OperationalError as exc:  # another process added it first
+                    if "duplicate column" not in str(exc):
+                        raise
 
     def close(self) -> None:
         self._db.close()
@@ -102,7 +137,7 @@ class RunStore:
             raise ValueError(f"run id {run_id!r} already exists in {self.path}") from None
 
     def update_run(self, run_id: str, **fields: Any) -> None:
-        allowed = {"status", "phase", "decision", "exit_code", "reason"}
+        allowed = {"status", "phase", "decision", "exit_code", "reason", "step", "canary_weight"}
         unknown = set(fields) - allowed
         if unknown:
             raise ValueError(f"unknown run fields {sorted(unknown)}")
@@ -192,3 +227,97 @@ class RunStore:
     def count_eval_outcomes(self, run_id: str) -> int:
         row = self._db.execute("SELECT COUNT(*) FROM eval_outcomes WHERE run_id = ?", (run_id,)).fetchone()
         return int(row[0])
+
+    # -- commands (`mtp-canary promote|abort RUN_ID`, from any process) ----------
+    def add_command(self, run_id: str, command: str) -> None:
+        """Queue `promote` or `abort` for a run; the run takes it with `take_command`."""
+        if command not in COMMANDS:
+            raise ValueError(f"unknown command {command!r}; known: {', '.join(COMMANDS)}")
+        self._tx("INSERT INTO commands (run_id, command, time) VALUES (?, ?, ?)", (run_id, command, time.time()))
+
+    def take_command(self, run_id: str, accept: Iterable[str] | None = None) -> str | None:
+        """The oldest pending command of the run (marked consumed), or None.
+
+        With `accept`, only those commands are taken; others stay pending (the
+        progressive phase takes `abort` at any time, `promote` only at a pause).
+        Taking is atomic: two readers never get the same command.
+        """
+        wanted = tuple(accept) if accept is not None else COMMANDS
+        if not wanted:
+            return None
+        marks = ", ".join("?" for _ in wanted)
+        query = (
+            f"SELECT seq, command FROM commands WHERE run_id = ? AND consumed IS NULL AND command IN ({marks})"
+            " ORDER BY seq LIMIT 1"
+        )
+        # the progressive phase asks several times a second: look before taking the write lock
+        if self._db.execute(query, (run_id, *wanted)).fetchone() is None:
+            return None
+        with self._db:
+            self._db.execute("BEGIN IMMEDIATE")
+            try:
+                row = self._db.execute(query, (run_id, *wanted)).fetchone()
+                if row is not None:
+                    self._db.execute("UPDATE commands SET consumed = ? WHERE seq = ?", (time.time(), row["seq"]))
+                self._db.execute("COMMIT")
+            except BaseException:
+                self._db.execute("ROLLBACK")
+                raise
+        return row["command"] if row is not None else None
+
+    def commands(self, run_id: str) -> list[dict[str, Any]]:
+        """Every command sent to the run, oldest first (`consumed` is None while pending)."""
+        return [
+            dict(r)
+            for r in self._db.execute(
+                "SELECT command, time, consumed FROM commands WHERE run_id = ? ORDER BY seq", (run_id,)
+            )
+        ]
+
+    # -- the stable engine config per model ---------------------------------------
+    def mark_stable(self, model: str, run_id: str, engine: dict[str, Any]) -> None:
+        """Record that `run_id` promoted `engine` for `model`: it is the stable config from now on."""
+        self._tx(
+            "INSERT INTO stable (model, run_id, engine_json, time) VALUES (?, ?, ?, ?)",
+            (model, run_id, json.dumps(engine), time.time()),
+        )
+
+    def stable(self, model: str) -> dict[str, Any] | None:
+        """The latest stable mark of `model`: {model, run_id, engine, time}, or None if never promoted."""
+        row = self._db.execute(
+            "SELECT model, run_id, engine_json, time FROM stable WHERE model = ? ORDER BY seq DESC LIMIT 1", (model,)
+        ).fetchone()
+        if row is None:
+            return None
+        return {"model": row["model"], "run_id": row["run_id"], "engine": json.loads(row["engine_json"]), "time": row["time"]}
+
+    def stable_run_ids(self) -> set[str]:
+        """Run ids that are the current stable config of their model."""
+        rows = self._db.execute(
+            "SELECT run_id FROM stable s WHERE seq = (SELECT MAX(seq) FROM stable WHERE model = s.model)"
+        )
+        return {r[0] for r in rows}
+
+    def last_look(self, run_id: str, phase: str) -> int:
+        """The highest look stored for a phase (0 if none): where a resumed phase continues."""
+        row = self._db.execute(
+            "SELECT COALESCE(MAX(look), 0) FROM phase_results WHERE run_id = ? AND phase = ?", (run_id, phase)
+        ).fetchone()
+        return int(row[0])
+
+    def last_sample_window(self, run_id: str, phase: str) -> int:
+        """The highest window index of a phase's stored request samples (0 if none)."""
+        row = self._db.execute(
+            "SELECT COALESCE(MAX(window), 0) FROM request_samples WHERE run_id = ? AND phase = ?", (run_id, phase)
+        ).fetchone()
+        return int(row[0])
+
+    def all_phase_results(self, run_id: str) -> list[dict[str, Any]]:
+        """Every phase result of a run in commit order: {phase, look, time, result}."""
+        return [
+            {"phase": r["phase"], "look": r["look"], "time": r["time"], "result": json.loads(r["result_json"])}
+            for r in self._db.execute(
+                "SELECT phase, look, time, result_json FROM phase_results WHERE run_id = ? ORDER BY time, rowid",
+                (run_id,),
+            )
+        ]

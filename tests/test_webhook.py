@@ -1,0 +1,124 @@
+"""The decision webhook against a real HTTP server on 127.0.0.1: retries, gives up, never raises, stays bounded."""
+
+from __future__ import annotations
+
+import json
+import socket
+import threading
+import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+import pytest
+
+from rollout.webhook import post_decision
+
+DOC = {"run_id": "r1", "decision": "promote", "gates": [{"name": "g", "verdict": "pass"}]}
+
+
+class Receiver:
+    """Answers each POST with the next status of `script` (the last one repeats)."""
+
+    def __init__(self, script: list[int], delay_s: float = 0.0) -> None:
+        self.script = list(script)
+        self.delay_s = delay_s
+        self.bodies: list[dict] = []
+        self.headers: list[dict] = []
+        receiver = self
+
+        class Handler(BaseHTTPRequestHandler):
+            def do_POST(self) -> None:  # noqa: N802
+                length = int(self.headers.get("Content-Length", 0))
+                receiver.bodies.append(json.loads(self.rfile.read(length)))
+                receiver.headers.append(dict(self.headers))
+                status = receiver.script.pop(0) if len(receiver.script) > 1 else receiver.script[0]
+                if receiver.delay_s:
+                    time.sleep(receiver.delay_s)
+                self.send_response(status)
+                self.send_header("Content-Length", "2")
+                self.end_headers()
+                self.wfile.write(b"ok")
+
+            def log_message(self, *args) -> None:
+                pass
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.server.daemon_threads = True
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}/hook"
+        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
+
+    def __enter__(self) -> "Receiver":
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+
+def test_posts_the_document_as_json():
+    with Receiver([200]) as hook:
+        result = post_decision(hook.url, DOC)
+    assert result.ok and result.status == 200 and result.attempts == 1 and result.error is None
+    assert hook.bodies == [DOC]
+    assert hook.headers[0]["Content-Type"] == "application/json"
+
+
+def test_retries_on_5xx_then_succeeds():
+    with Receiver([503, 500, 200]) as hook:
+        result = post_decision(hook.url, DOC, timeout_s=2, retries=3)
+    assert result.ok and result.attempts == 3 and len(hook.bodies) == 3
+    assert len(result.errors) == 2 and "HTTP 503" in result.errors[0]
+
+
+def test_gives_up_after_the_retries_without_raising():
+    with Receiver([502]) as hook:
+        started = time.monotonic()
+        result = post_decision(hook.url, DOC, timeout_s=1, retries=3)
+        elapsed = time.monotonic() - started
+    assert not result.ok and result.attempts == 3 and result.status == 502
+    assert "HTTP 502" in result.error
+    assert elapsed < 3 * 1 + 0.5 + 1.0 + 1.0  # tries + back-offs + slack
+
+
+def test_a_4xx_is_not_retried():
+    with Receiver([400]) as hook:
+        result = post_decision(hook.url, DOC, retries=3)
+    assert not result.ok and result.attempts == 1 and result.status == 400 and len(hook.bodies) == 1
+
+
+def test_nobody_listening_is_retried_and_returned():
+    with socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))
+        port = probe.getsockname()[1]
+    result = post_decision(f"http://127.0.0.1:{port}/hook", DOC, timeout_s=1, retries=2)
+    assert not result.ok and result.attempts == 2 and result.status is None
+    assert "ConnectionError" in result.error
+
+
+def test_a_slow_receiver_cannot_hold_the_decision():
+    with Receiver([200], delay_s=3.0) as hook:
+        started = time.monotonic()
+        result = post_decision(hook.url, DOC, timeout_s=0.5, retries=2)
+        elapsed = time.monotonic() - started
+    assert not result.ok and result.attempts == 2
+    assert elapsed < 0.5 * 2 + 0.5 + 1.0
+
+
+def test_the_total_deadline_bounds_everything():
+    with Receiver([503]) as hook:
+        started = time.monotonic()
+        result = post_decision(hook.url, DOC, timeout_s=5, retries=10, deadline_s=1.5)
+        elapsed = time.monotonic() - started
+    assert not result.ok and elapsed < 2.5
+
+
+@pytest.mark.parametrize("url", ["not a url", "ftp://127.0.0.1/x", ""])
+def test_a_bad_url_is_an_error_result_not_an_exception(url):
+    result = post_decision(url, DOC, timeout_s=1, retries=2)
+    assert not result.ok and result.error
+
+
+def test_a_document_with_odd_values_is_still_sent():
+    with Receiver([200]) as hook:
+        result = post_decision(hook.url, {"when": time, "n": float("inf")})
+    assert result.ok and hook.bodies[0]["when"].startswith("<module")
