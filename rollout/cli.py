@@ -229,7 +229,7 @@ def _cmd_status(args: argparse.Namespace) -> int:
         print(json.dumps(doc, indent=2, default=str))
         return 0
     weight = "-" if doc["canary_weight"] is None else f"{doc['canary_weight']:g}%"
-    step = "-" if doc["step"] is None else str(doc["step"] + 1)
+    step = "-" if doc["step"] is None else str(doc["step"])
     state = doc["decision"] or doc["status"]
     print(f"run {doc['run_id']} ({doc['model']}): {state}{' (PAUSED)' if doc['paused'] else ''}")
     print(f"  phase {doc['phase'] or '-'}, step {step}, canary weight {weight}")

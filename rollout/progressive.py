@@ -471,7 +471,8 @@ class _Phase:
         counts_before = self._router_counts()
         ctx.set_canary_weight(step.canary_weight, f"step {i + 1}/{n_steps}")
         step_started = time.time()
-        ctx.store.update_run(ctx.run_id, step=i, canary_weight=step.canary_weight)
+        # 1-based, as the progress lines and `status` show it.
+        ctx.store.update_run(ctx.run_id, step=i + 1, canary_weight=step.canary_weight)
         n_windows = max(1, math.ceil(step.bake_s / self.window_s))
         ctx.event(
             "step",

@@ -61,7 +61,7 @@ def runs(tmp_path):
                                                         "gates": [gate("guard_error_rate", "pass")]})
     store.add_event("r-live", "progressive", "step", "step 2/3", canary_weight=50.0)
     store.add_event("r-live", "progressive", "pause", "after step 2", canary_weight=50.0)
-    store.update_run("r-live", phase="progressive", step=1, canary_weight=50.0)
+    store.update_run("r-live", phase="progressive", step=2, canary_weight=50.0)
     store.close()
     return tmp_path
 
@@ -77,7 +77,7 @@ def test_status_json_of_a_running_rollout(runs, capsys):
     assert code == 0
     doc = json.loads(out)
     assert doc["run_id"] == "r-live" and doc["phase"] == "progressive"
-    assert doc["step"] == 1 and doc["canary_weight"] == 50.0
+    assert doc["step"] == 2 and doc["canary_weight"] == 50.0
     assert doc["decision"] is None and doc["status"] == "running" and doc["paused"] is True
     verdicts = [(g["phase"], g["look"], g["name"], g["verdict"]) for g in doc["gates"]]
     assert verdicts == [
