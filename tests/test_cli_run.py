@@ -13,6 +13,7 @@ from pathlib import Path
 
 import psutil
 import pytest
+import yaml
 
 from tests.conftest import REPO, wait_no_server_processes
 
@@ -105,8 +106,10 @@ def test_broken_canary_rolls_back_on_accuracy_before_any_load(tmp_path):
 
 
 def test_bad_config_exits_2_with_one_line_and_starts_nothing(tmp_path):
+    data = yaml.safe_load((REPO / "configs" / "local-cpu.yaml").read_text())
+    data["experiment"]["max_windows"] = 0
     bad = tmp_path / "bad.yaml"
-    bad.write_text((REPO / "configs" / "local-cpu.yaml").read_text().replace("max_windows: 5", "max_windows: 0"))
+    bad.write_text(yaml.safe_dump(data))
     proc = run_cli("run", str(bad), "--runs-dir", str(tmp_path / "runs"), timeout=120)
     assert proc.returncode == 2
     assert "experiment.max_windows" in proc.stderr
