@@ -40,5 +40,9 @@ calibrate: venv
 bench-tiny: venv
 	$(PY) benchmarks/tiny_checkpoint.py
 
+# BENCH_ARGS=--quick (about 45 s) or --json
+bench-loadgen: venv
+	$(PY) benchmarks/loadgen.py $(BENCH_ARGS)
+
 clean:
 	rm -rf $(VENV) .pytest_cache .hypothesis

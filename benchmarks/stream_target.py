@@ -16,7 +16,9 @@ separate the target's own timer jitter from the client's error.
 
 Usage:  python benchmarks/stream_target.py --port 8100 --ttft-ms 50 --tpot-ms 10 --tokens-per-chunk 4
 It prints `LISTENING http://HOST:PORT` once it accepts connections. GET /stats gives
-request counts (started, completed, disconnected). Requests that carry the header
+request counts (started, completed, disconnected). GET /timings gives, for each
+streamed request that carried an X-Request-Id header, the achieved [first chunk, last
+chunk] send offsets in seconds from the handler's start (the last 100,000 requests). Requests that carry the header
 x-mtp-canary-arm get it echoed back, like the router's arm pinning; otherwise the
 --arm value (if any) is sent.
 """
@@ -42,6 +44,7 @@ from aiohttp import web
 ARM_HEADER = "x-mtp-canary-arm"
 REPLICA_HEADER = "x-mtp-canary-replica"
 DEFAULT_MAX_TOKENS = 16
+TIMINGS_KEPT = 100_000
 
 
 @dataclass(frozen=True)
@@ -94,6 +97,8 @@ class StreamTarget:
         self.replica = replica
         self.stats = TargetStats()
         self.model = "stream-target"
+        # request id -> (first chunk, last chunk) achieved send offsets, oldest first
+        self.timings: dict[str, tuple[float, float]] = {}
 
     def app(self) -> web.Application:
         app = web.Application()
@@ -102,6 +107,7 @@ class StreamTarget:
         app.router.add_get("/v1/models", self.models)
         app.router.add_get("/health", self.health)
         app.router.add_get("/stats", self.stats_json)
+        app.router.add_get("/timings", self.timings_json)
         return app
 
     async def health(self, _request: web.Request) -> web.Response:
@@ -116,6 +122,9 @@ class StreamTarget:
             {"started": stats.started, "completed": stats.completed, "disconnected": stats.disconnected,
              "by_arm": stats.by_arm}
         )
+
+    async def timings_json(self, _request: web.Request) -> web.Response:
+        return web.json_response(self.timings)
 
     async def completions(self, request: web.Request) -> web.StreamResponse:
         return await self._answer(request, chat=False)
@@ -183,6 +192,11 @@ class StreamTarget:
                 final["usage"] = usage
             await response.write(_sse(final) + _sse("[DONE]"))
             await response.write_eof()
+            request_id = request.headers.get("x-request-id")
+            if request_id and sent_offsets:
+                self.timings[request_id] = (sent_offsets[0], sent_offsets[-1])
+                if len(self.timings) > TIMINGS_KEPT:
+                    del self.timings[next(iter(self.timings))]
         except (ConnectionResetError, asyncio.CancelledError):
             self.stats.disconnected += 1
             raise
@@ -246,6 +260,11 @@ class TargetProcess:
     def stats(self) -> dict[str, Any]:
         with urllib.request.urlopen(self.url + "/stats", timeout=10) as response:
             return json.loads(response.read())
+
+    def timings(self) -> dict[str, tuple[float, float]]:
+        """Achieved (first chunk, last chunk) send offsets per X-Request-Id."""
+        with urllib.request.urlopen(self.url + "/timings", timeout=30) as response:
+            return {key: (value[0], value[1]) for key, value in json.loads(response.read()).items()}
 
     def __exit__(self, *_exc: object) -> None:
         if self._process is not None and self._process.poll() is None:

@@ -8,6 +8,10 @@ worker's sequence order, and its summary compares what every worker says it sent
 what arrived: a worker that died, a lost or repeated batch, all show up as an incomplete
 collection, which the Swarm turns into a failure rather than a short result.
 
+The same pass keeps the generator honest: each worker's flush marker carries its CPU over
+the test, and the master takes every open-loop record's send lag as it arrives; the
+summary's `generator` (`loadtests.health`) says whether the generator limited the load.
+
 Nothing here imports Locust or gevent; the locustfile wires these to the runner.
 """
 
@@ -20,11 +24,13 @@ from typing import Any, TextIO
 
 from pydantic import BaseModel, ConfigDict
 
+from loadtests.health import GeneratorHealth, assess
 from loadtests.records import RequestRecord
 
 RECORDS_MESSAGE = "mtp_records"  # worker -> master: {"worker", "seq", "records": [...]}
 FLUSH_REQUEST_MESSAGE = "mtp_flush"  # master -> workers: {"epoch"}
-FLUSHED_MESSAGE = "mtp_flushed"  # worker -> master: {"worker", "epoch", "records_sent", "batches_sent", "cpu_s"}
+# worker -> master: {"worker", "epoch", "records_sent", "batches_sent", "cpu": {"cpu_s", "wall_s", "cpu_peak_pct"}}
+FLUSHED_MESSAGE = "mtp_flushed"
 
 
 def summary_path_for(records_path: str | Path) -> Path:
@@ -43,7 +49,9 @@ class WorkerCollection(BaseModel):
     records_sent: int | None  # from the worker's last flush marker; None: it never flushed
     batches_sent: int | None
     out_of_order_batches: int
-    cpu_s: float | None  # the worker process's CPU seconds when it last flushed
+    cpu_s: float | None = None  # the worker's CPU seconds (user + system) during the test
+    wall_s: float | None = None  # the test's duration on the worker
+    cpu_peak_pct: float | None = None  # its busiest 5 s, in % of one core
 
     @property
     def complete(self) -> bool:
@@ -64,6 +72,8 @@ class CollectionSummary(BaseModel):
     records_written: int
     workers: list[WorkerCollection]
     problems: list[str]
+    generator: GeneratorHealth | None = None
+    test_started_at: float | None = None  # epoch start of the plan: the clock of open-loop schedules and levels
 
     @property
     def complete(self) -> bool:
@@ -119,8 +129,9 @@ class RecordShipper:
         self.records_sent += len(batch)
         self._send(RECORDS_MESSAGE, {"worker": self.worker, "seq": seq, "records": batch})
 
-    def flush_final(self, epoch: int, cpu_s: float | None = None) -> None:
-        """Send the rest and the marker the master counts against."""
+    def flush_final(self, epoch: int, cpu: Mapping[str, float | None] | None = None) -> None:
+        """Send the rest and the marker the master counts against (with this process's
+        CPU over the test, `CpuMeter.report`)."""
         self.flush()
         self._send(
             FLUSHED_MESSAGE,
@@ -129,7 +140,7 @@ class RecordShipper:
                 "epoch": epoch,
                 "records_sent": self.records_sent,
                 "batches_sent": self.batches_sent,
-                "cpu_s": cpu_s,
+                "cpu": dict(cpu) if cpu is not None else None,
             },
         )
 
@@ -141,16 +152,20 @@ class _WorkerTally:
         self.next_seq = 0
         self.out_of_order = 0
         self.flushed: Mapping[str, Any] | None = None
+        self.send_lags: list[float] = []  # open loop: sent_at - scheduled_at, seconds
 
 
 class RecordCollector:
     """Master side: writes arriving batches to one JSONL file and keeps the tally.
 
-    With no path it only counts (a web-UI session that keeps no records).
+    With no path it only counts (a web-UI session that keeps no records). The limits
+    decide when the summary calls the generator the bottleneck.
     """
 
-    def __init__(self, path: str | Path | None) -> None:
+    def __init__(self, path: str | Path | None, cpu_warn_pct: float = 85.0, lag_warn_ms: float = 50.0) -> None:
         self.path = Path(path) if path is not None else None
+        self.cpu_warn_pct = cpu_warn_pct
+        self.lag_warn_ms = lag_warn_ms
         self._file: TextIO | None = None
         if self.path is not None:
             self.path.parent.mkdir(parents=True, exist_ok=True)
@@ -158,6 +173,7 @@ class RecordCollector:
         self._tallies: dict[str, _WorkerTally] = {}
         self._problems: list[str] = []
         self.records_written = 0
+        self.test_started_at: float | None = None
 
     def expect_worker(self, worker: str) -> None:
         """A worker connected: from now on its records are owed."""
@@ -173,6 +189,11 @@ class RecordCollector:
             tally.out_of_order += 1
         tally.next_seq = max(tally.next_seq, int(data["seq"]) + 1)
         records = data["records"]
+        lags = tally.send_lags
+        for record in records:
+            scheduled_at = record.get("scheduled_at")
+            if scheduled_at is not None:
+                lags.append(record["sent_at"] - scheduled_at)
         tally.batches_received += 1
         tally.records_received += len(records)
         if self._file is not None:
@@ -195,6 +216,7 @@ class RecordCollector:
         workers = []
         for worker, tally in sorted(self._tallies.items()):
             flushed = tally.flushed or {}
+            cpu = flushed.get("cpu") or {}
             workers.append(
                 WorkerCollection(
                     worker=worker,
@@ -203,14 +225,23 @@ class RecordCollector:
                     records_sent=flushed.get("records_sent"),
                     batches_sent=flushed.get("batches_sent"),
                     out_of_order_batches=tally.out_of_order,
-                    cpu_s=flushed.get("cpu_s"),
+                    cpu_s=cpu.get("cpu_s"),
+                    wall_s=cpu.get("wall_s"),
+                    cpu_peak_pct=cpu.get("cpu_peak_pct"),
                 )
             )
+        generator = assess(
+            [(w, (t.flushed or {}).get("cpu"), t.send_lags) for w, t in sorted(self._tallies.items())],
+            cpu_warn_pct=self.cpu_warn_pct,
+            lag_warn_ms=self.lag_warn_ms,
+        )
         return CollectionSummary(
             records_path=str(self.path) if self.path is not None else None,
             records_written=self.records_written,
             workers=workers,
             problems=list(self._problems),
+            generator=generator,
+            test_started_at=self.test_started_at,
         )
 
     def close(self) -> CollectionSummary:

@@ -10,13 +10,20 @@ Open loop (`--mtp-rate R`): requests leave on a global schedule of R/s shared by
 workers; users are the most requests that can be in flight at once, and a request that
 finds every user busy leaves late (its record's `send_lag_s` says how late).
 
+Load profiles (`--mtp-steps 1,4,16 --mtp-step-s 30`, `--mtp-ramp 1:16 --mtp-ramp-s 60`)
+play as a Locust load shape: closed loop, level x --mtp-level-users users; open loop,
+level x --mtp-rate requests/s on the global schedule. Each record carries its level.
+
 Every request becomes a `RequestRecord`; the master (or the single local process)
 writes them all to `--mtp-records`. Locust's statistics get one row per arm
-("[baseline] /v1/completions") for watching, never for judging.
+("[baseline] /v1/completions") for watching, never for judging. Each process measures
+its CPU over the test and the master the open-loop send lag; when the generator, not the
+server, limits the load, the master logs it and the records summary says so.
 """
 
 from __future__ import annotations
 
+import gc
 import logging
 import os
 import sys
@@ -44,6 +51,7 @@ from locust.runners import (  # noqa: E402
     WorkerRunner,
 )
 
+from loadtests import shapes  # noqa: E402  (the module: a shape class here would always run)
 from loadtests.collection import (  # noqa: E402
     FLUSH_REQUEST_MESSAGE,
     FLUSHED_MESSAGE,
@@ -52,6 +60,7 @@ from loadtests.collection import (  # noqa: E402
     RecordShipper,
 )
 from loadtests.openai_stream import OpenAIStreamClient, RecordLabels  # noqa: E402
+from loadtests.health import PEAK_WINDOW_S, CpuMeter  # noqa: E402
 from loadtests.options import TrafficOptions, cli_arguments  # noqa: E402
 from loadtests.records import RequestRecord  # noqa: E402
 from loadtests.traffic import SlotPlan, TrafficShare  # noqa: E402
@@ -63,6 +72,13 @@ logger = logging.getLogger("mtp_canary.loadtests")
 PARENT_PID_ENV = "MTP_CANARY_PARENT_PID"
 PLAN_MESSAGE = "mtp_plan"  # master -> workers at each test start: {"slots", "n_slots", "start_at"}
 SHIP_INTERVAL_S = 1.0  # how often a worker sends what it has, so the master's file grows live
+# open loop: the schedule starts this long after the test does, so that the workers have
+# their plan and their first users before the first request is due (else the first
+# requests leave late and the lag says the generator could not keep up)
+OPEN_LOOP_LEAD_S = 0.5
+# a user whose next open-loop request is never due (a profile that ends at level 0) waits in
+# slices this long; the test's end interrupts the wait
+_LONGEST_WAIT_S = 3600.0
 
 
 class StreamFailure(Exception):
@@ -80,6 +96,12 @@ class _Process:
         self.traffic: TrafficShare | None = None  # worker or local run, rebuilt per test
         self.flush_epoch = 0
         self.flush_timeout_s = TrafficOptions.model_fields["flush_timeout_s"].default
+        self.cpu = CpuMeter()  # worker or local run: this process's CPU during the test
+        self.cpu_warned = False  # warned (once per test) that this process is near a full core
+        self.started_at: float | None = None  # master or local run: epoch start of the plan (profile clock)
+
+    def cpu_report(self) -> dict[str, float | None]:
+        return self.cpu.report(_cpu_seconds(), time.monotonic())
 
 
 _process = _Process()
@@ -99,11 +121,27 @@ def _cpu_seconds() -> float:
 def _ship_periodically() -> None:
     while True:
         gevent.sleep(SHIP_INTERVAL_S)
+        _warn_when_busy(_process.cpu.sample(_cpu_seconds(), time.monotonic()))
         if _process.shipper is not None:
             try:
                 _process.shipper.flush()
             except Exception:  # a lost batch shows in the summary's counts; keep shipping the rest
                 logger.exception("sending a batch of records to the master failed")
+
+
+def _warn_when_busy(share: float | None) -> None:
+    """Say it while the test runs (the summary says it again at the end): this process is
+    near a full core, so it, not the server, may be what limits the load."""
+    traffic = _process.traffic
+    if share is None or traffic is None or _process.cpu_warned:
+        return
+    if 100.0 * share > traffic.options.cpu_warn_pct:
+        _process.cpu_warned = True
+        logger.warning(
+            "generator limited: this load generator process (%s) used %.0f%% of one core over the last %.0f s "
+            "(limit %g%%): it, not the server, may limit the load; add workers or lower the load per worker",
+            _process.worker_id, 100.0 * share, PEAK_WINDOW_S, traffic.options.cpu_warn_pct,
+        )
 
 
 def _exit_with_parent(parent_pid: int) -> None:
@@ -119,6 +157,10 @@ def _exit_with_parent(parent_pid: int) -> None:
 @events.init.add_listener
 def _on_init(environment: Environment, **_kwargs) -> None:
     runner = environment.runner
+    # everything imported so far lives for the whole run: a full garbage collection in the
+    # middle of a test must not walk it (a pause that would bend the timestamps)
+    gc.collect()
+    gc.freeze()
     if os.environ.get(PARENT_PID_ENV):
         gevent.spawn(_exit_with_parent, int(os.environ[PARENT_PID_ENV]))
     if isinstance(runner, WorkerRunner):
@@ -138,9 +180,22 @@ def _on_init(environment: Environment, **_kwargs) -> None:
     except ValueError as exc:
         logger.error("invalid load test options: %s", exc)
         sys.exit(2)
-    collector = RecordCollector(options.records)
+    collector = RecordCollector(options.records, cpu_warn_pct=options.cpu_warn_pct, lag_warn_ms=options.lag_warn_ms)
     _process.collector = collector
     _process.flush_timeout_s = options.flush_timeout_s
+    profile = options.profile
+    if profile is not None:
+        # the profile decides the users (closed loop) and when the test ends
+        shape = shapes.ProfileShape(
+            profile,
+            level_users=None if options.open_loop else options.level_users,
+            cap_users=environment.parsed_options.num_users or 1,
+            origin=lambda: _process.started_at,
+        )
+        shape.runner = runner
+        environment.shape_class = shape
+        logger.info("load profile: %s (%s)", profile.describe(),
+                    "x --mtp-rate requests/s" if options.open_loop else f"x {options.level_users:g} users")
     if isinstance(runner, MasterRunner):
         runner.register_message(RECORDS_MESSAGE, lambda msg, **_: collector.receive_batch(msg.data))
         runner.register_message(FLUSHED_MESSAGE, lambda msg, **_: collector.receive_flushed(msg.data))
@@ -179,12 +234,23 @@ def _on_test_start(environment: Environment, **_kwargs) -> None:
             (node.id for node in runner.clients.ready + runner.clients.spawning + runner.clients.running),
             key=runner.get_worker_index,
         )
+        _process.started_at = time.time() + _schedule_lead_s(environment)
+        if _process.collector is not None:
+            _process.collector.test_started_at = _process.started_at
         plan = {"slots": {worker: slot for slot, worker in enumerate(workers)}, "n_slots": len(workers),
-                "start_at": time.time()}
+                "start_at": _process.started_at}
         runner.send_message(PLAN_MESSAGE, plan)
         return
 
-    plan = SlotPlan(0, 1, time.time()) if isinstance(runner, LocalRunner) else _process.plan
+    _process.cpu.start(_cpu_seconds(), time.monotonic())
+    _process.cpu_warned = False
+    if isinstance(runner, LocalRunner):
+        _process.started_at = time.time() + _schedule_lead_s(environment)
+        if _process.collector is not None:
+            _process.collector.test_started_at = _process.started_at
+        plan = SlotPlan(0, 1, _process.started_at)
+    else:
+        plan = _process.plan
     try:
         options = TrafficOptions.from_namespace(environment.parsed_options)
         _process.traffic = TrafficShare(options, plan) if plan is not None else None
@@ -224,6 +290,10 @@ def _on_test_stopping(environment: Environment, **_kwargs) -> None:
         collector.note_problem(message)
 
 
+def _schedule_lead_s(environment: Environment) -> float:
+    return OPEN_LOOP_LEAD_S if getattr(environment.parsed_options, "mtp_rate", None) else 0.0
+
+
 def _on_flush_request(environment: Environment, msg, **_kwargs) -> None:
     """Worker: stop the users (their in-flight requests become records), then flush."""
     _process.flush_epoch = max(_process.flush_epoch, msg.data["epoch"])
@@ -231,14 +301,14 @@ def _on_flush_request(environment: Environment, msg, **_kwargs) -> None:
     if runner.state in (STATE_RUNNING, STATE_SPAWNING):
         runner.stop()  # fires test_stop, which flushes
     elif _process.shipper is not None:
-        _process.shipper.flush_final(_process.flush_epoch, _cpu_seconds())
+        _process.shipper.flush_final(_process.flush_epoch, _process.cpu_report())
 
 
 @events.test_stop.add_listener
 def _on_test_stop(environment: Environment, **_kwargs) -> None:
     # users are stopped by now: every record of this test is in the shipper's buffer
     if _process.shipper is not None:
-        _process.shipper.flush_final(_process.flush_epoch, _cpu_seconds())
+        _process.shipper.flush_final(_process.flush_epoch, _process.cpu_report())
 
 
 @events.quitting.add_listener
@@ -257,6 +327,9 @@ def _on_quitting(environment: Environment, **_kwargs) -> None:
         logger.info("wrote %d request records to %s", summary.records_written, summary.records_path)
     for problem in summary.describe_problems():
         logger.error("record collection incomplete: %s", problem)
+    if summary.generator is not None:
+        for warning in summary.generator.warnings:
+            logger.warning("generator limited: %s", warning)
 
 
 class LLMStreamUser(User):
@@ -285,18 +358,24 @@ class LLMStreamUser(User):
         """Open loop: the time until the request this user holds is due; closed loop: none."""
         if self._due_at is None:
             return 0.0
-        return max(0.0, self._due_at - time.time())
+        return min(_LONGEST_WAIT_S, max(0.0, self._due_at - time.time()))
 
     @task
     def ask_and_read_the_streamed_answer(self) -> None:
         traffic = _process.traffic
         if traffic is None:
             raise StopUser()
+        ends_at = traffic.ends_at
+        if ends_at is not None and time.time() >= ends_at:
+            raise StopUser()  # the profile is over: the shape stops the test at its next tick
         ticket = traffic.next_ticket()
+        if ends_at is not None and ticket.scheduled_at is not None and ticket.scheduled_at >= ends_at:
+            raise StopUser()
         if ticket.scheduled_at is not None:
             # Locust's wait() lets a stopping test end this sleep, unlike a plain sleep
             self._due_at = ticket.scheduled_at
-            self.wait()
+            while self._due_at > time.time():
+                self.wait()
             self._due_at = None
         labels = RecordLabels(
             request_id=uuid.uuid4().hex,
@@ -304,6 +383,7 @@ class LLMStreamUser(User):
             worker=_process.worker_id,
             dataset_index=ticket.prompt.index,
             scheduled_at=ticket.scheduled_at,
+            level=traffic.level_at(ticket.scheduled_at if ticket.scheduled_at is not None else time.time()),
         )
         result = self.client.stream(ticket.request, labels, on_cancelled=self._keep)
         self._keep(result.record)

@@ -1,9 +1,15 @@
 """A streaming request to an OpenAI-compatible server (vLLM, the router) and its record.
 
 The HTTP client is geventhttpclient: cooperative sockets without monkey patching and a C
-response parser, the cheapest client a Locust process can run. Its `read(n)` waits for n
-bytes, which would delay every chunk; `readline()` returns as soon as one SSE line has
-arrived, so each line is stamped the moment it can be used.
+response parser (HTTP framing, chunked encoding). Its `read(n)` waits for n bytes, which
+would delay every chunk, and `readline()` runs a Python loop per line; the stream is
+instead read one socket read at a time (`_BodyReader`): each read's bytes are stamped
+the moment they arrive and kept, and the SSE parsing happens after the stream ended.
+
+CPU is what limits how much load one worker core offers, so the read path is lean:
+one `recv` per arriving chunk, no per-read timer (a timer per socket read cost more than
+the rest of the read), and one watchdog greenlet per process that cuts a stream off when
+it waited longer than its timeout for its next bytes.
 """
 
 from __future__ import annotations
@@ -15,11 +21,13 @@ from dataclasses import dataclass, field
 from typing import Any
 from urllib.parse import urlsplit
 
+import gevent
 from gevent import GreenletExit
+from gevent.socket import wait as wait_on_watcher
 from geventhttpclient import HTTPClient
 
 from loadtests.records import Endpoint, RequestRecord
-from loadtests.sse import TimedEvent, parse_events
+from loadtests.sse import SseDecoder, TimedEvent
 
 ARM_HEADER = "x-mtp-canary-arm"
 REPLICA_HEADER = "x-mtp-canary-replica"
@@ -31,6 +39,106 @@ ENDPOINT_PATHS: dict[str, str] = {
 
 # How much of an error body a record keeps: enough to read the cause, not a page of HTML.
 ERROR_TEXT_LIMIT = 300
+# the most bytes one socket read takes
+_READ_SIZE = 65536
+
+
+class StreamTimeout(Exception):
+    """A request waited longer than its timeout for its next bytes."""
+
+
+class _Watch:
+    __slots__ = ("socket", "timeout_s", "last_read_s", "expired")
+
+    def __init__(self, socket: Any, timeout_s: float, now: float) -> None:
+        self.socket = socket
+        self.timeout_s = timeout_s
+        self.last_read_s = now
+        self.expired = False
+
+
+class _IdleWatchdog:
+    """One greenlet per process that closes the socket of a stream that waited longer than
+    its timeout for bytes (the reader then fails with a read timeout). Streams register
+    while their body is read and stamp `last_read_s` at every read."""
+
+    def __init__(self) -> None:
+        self._watches: set[_Watch] = set()
+        self._greenlet: gevent.Greenlet | None = None
+
+    def watch(self, socket: Any, timeout_s: float, now: float) -> _Watch:
+        watch = _Watch(socket, timeout_s, now)
+        self._watches.add(watch)
+        if self._greenlet is None or self._greenlet.dead:
+            self._greenlet = gevent.spawn(self._run)
+        return watch
+
+    def unwatch(self, watch: _Watch) -> None:
+        self._watches.discard(watch)
+
+    def _run(self) -> None:
+        while self._watches:
+            gevent.sleep(min(1.0, min(w.timeout_s for w in self._watches) / 4))
+            now = time.perf_counter()
+            for watch in list(self._watches):
+                if now - watch.last_read_s > watch.timeout_s:
+                    watch.expired = True
+                    self._watches.discard(watch)
+                    try:
+                        watch.socket.close()  # gevent wakes the reader with an error
+                    except OSError:
+                        pass
+
+
+_watchdog = _IdleWatchdog()
+
+
+def _read_body(
+    response: Any, on_read: Callable[[float, bytes], None], timeout_s: float, clock: Callable[[], float]
+) -> None:
+    """Read a response body to its end, one socket read at a time, handing each read's
+    body bytes with the perf_counter time taken right after the read to `on_read`. Uses
+    the response's parser state (geventhttpclient HTTPSocketResponse: `_body_buffer`,
+    `_sock`, `feed`)."""
+    buffer = response._body_buffer
+    if buffer:  # body bytes that came with the headers
+        now = clock()
+        data = bytes(buffer)
+        del buffer[:]
+        on_read(now, data)
+    if response.message_complete:
+        return
+    socket = response._sock
+    if socket is None:
+        raise ConnectionError("the connection closed before the end of the response")
+    recv = socket.recv
+    feed = response.feed
+    # wait for readability before reading: a stream's next chunk is rarely there yet, and
+    # gevent's recv would first try the read and fail with EAGAIN (a syscall and an exception)
+    readable = socket._read_event
+    watch = _watchdog.watch(socket, timeout_s, clock())
+    try:
+        while True:
+            try:
+                wait_on_watcher(readable)
+                data = recv(_READ_SIZE)
+            except OSError:
+                if watch.expired:
+                    raise StreamTimeout(f"no bytes for {timeout_s:g}s (read timeout)") from None
+                raise
+            now = clock()
+            watch.last_read_s = now
+            feed(data)  # parses the framing; the body lands in the buffer
+            if buffer:
+                body = bytes(buffer)
+                del buffer[:]
+                on_read(now, body)
+            if response.message_complete:
+                return
+            if not data:
+                raise ConnectionError("the connection closed before the end of the response")
+    finally:
+        _watchdog.unwatch(watch)
 
 
 @dataclass(frozen=True)
@@ -88,6 +196,7 @@ class RecordLabels:
     worker: str
     dataset_index: int | None = None
     scheduled_at: float | None = None
+    level: float | None = None
 
 
 @dataclass(frozen=True)
@@ -127,57 +236,96 @@ def _carries_output(choice: Mapping[str, Any], endpoint: Endpoint) -> bool:
     return "content" in delta or choice.get("finish_reason") is not None
 
 
-def summarise_events(events: Sequence[TimedEvent], started_s: float, endpoint: Endpoint) -> StreamOutcome:
-    """Interpret the events of an OpenAI completion stream (parsing happens here, after the reads)."""
-    ttft_s: float | None = None
-    chunks = 0
-    usage: Mapping[str, Any] | None = None
-    finish_reason: str | None = None
-    saw_done = False
-    error: str | None = None
-    for event in events:
-        if event.data.strip() == "[DONE]":
-            saw_done = True
-            continue
+class StreamReader:
+    """Reads an OpenAI completion stream as it arrives: `feed(read time, bytes)` per socket
+    read (right after its stamp), `outcome()` at the end. Counts the chunks that carry
+    output, times the first, and keeps usage, finish reason and errors."""
+
+    __slots__ = ("_started_s", "_endpoint", "_decoder", "ttft_s", "chunks", "usage", "finish_reason",
+                 "saw_done", "error", "events", "bytes", "last_read_s")
+
+    def __init__(self, started_s: float, endpoint: Endpoint) -> None:
+        self._started_s = started_s
+        self._endpoint = endpoint
+        self._decoder = SseDecoder()
+        self.ttft_s: float | None = None
+        self.chunks = 0
+        self.usage: Mapping[str, Any] | None = None
+        self.finish_reason: str | None = None
+        self.saw_done = False
+        self.error: str | None = None
+        self.events = 0
+        self.bytes = 0
+        self.last_read_s: float | None = None
+
+    def feed(self, read_s: float, data: bytes) -> None:
+        self.bytes += len(data)
+        self.last_read_s = read_s
+        for event in self._decoder.feed(read_s, data):
+            self.add(event)
+
+    def add(self, event: TimedEvent) -> None:
+        self.events += 1
+        data = event.data
+        if data == "[DONE]" or data.strip() == "[DONE]":
+            self.saw_done = True
+            return
         try:
-            payload = json.loads(event.data)
+            payload = json.loads(data)
         except ValueError:
-            error = error or f"unparseable SSE data: {event.data[:ERROR_TEXT_LIMIT]!r}"
-            continue
+            self.error = self.error or f"unparseable SSE data: {data[:ERROR_TEXT_LIMIT]!r}"
+            return
         if not isinstance(payload, dict):
-            error = error or f"unexpected SSE data: {event.data[:ERROR_TEXT_LIMIT]!r}"
-            continue
+            self.error = self.error or f"unexpected SSE data: {data[:ERROR_TEXT_LIMIT]!r}"
+            return
         if payload.get("error"):
             # vLLM reports failures inside a 200 stream as a data event with an "error" object
             detail = payload["error"]
             message = detail.get("message", detail) if isinstance(detail, dict) else detail
-            error = error or f"server error in stream: {str(message)[:ERROR_TEXT_LIMIT]}"
-            continue
-        if payload.get("usage"):
-            usage = payload["usage"]
-        choices = payload.get("choices") or []
+            self.error = self.error or f"server error in stream: {str(message)[:ERROR_TEXT_LIMIT]}"
+            return
+        usage = payload.get("usage")
+        if usage:
+            self.usage = usage
+        choices = payload.get("choices")
         if not choices:
-            continue
+            return
         choice = choices[0]
-        if _carries_output(choice, endpoint):
-            chunks += 1
-            if ttft_s is None:
-                ttft_s = event.received_s - started_s
-        if choice.get("finish_reason") is not None:
-            finish_reason = choice["finish_reason"]
-    output_tokens = usage.get("completion_tokens") if usage else None
-    prompt_tokens = usage.get("prompt_tokens") if usage else None
-    if error is None and not saw_done:
-        error = "stream ended before [DONE]" if events else "no SSE events in the response"
-    return StreamOutcome(
-        ttft_s=ttft_s,
-        chunks=chunks,
-        output_tokens=int(output_tokens) if output_tokens is not None else None,
-        prompt_tokens=int(prompt_tokens) if prompt_tokens is not None else None,
-        finish_reason=finish_reason,
-        saw_done=saw_done,
-        error=error,
-    )
+        if _carries_output(choice, self._endpoint):
+            self.chunks += 1
+            if self.ttft_s is None:
+                self.ttft_s = event.received_s - self._started_s
+        finish_reason = choice.get("finish_reason")
+        if finish_reason is not None:
+            self.finish_reason = finish_reason
+
+    def outcome(self) -> StreamOutcome:
+        """What the stream said (call once, at its end: a last event without its blank line counts)."""
+        for event in self._decoder.close():
+            self.add(event)
+        usage = self.usage
+        output_tokens = usage.get("completion_tokens") if usage else None
+        prompt_tokens = usage.get("prompt_tokens") if usage else None
+        error = self.error
+        if error is None and not self.saw_done:
+            error = "stream ended before [DONE]" if self.events else "no SSE events in the response"
+        return StreamOutcome(
+            ttft_s=self.ttft_s,
+            chunks=self.chunks,
+            output_tokens=int(output_tokens) if output_tokens is not None else None,
+            prompt_tokens=int(prompt_tokens) if prompt_tokens is not None else None,
+            finish_reason=self.finish_reason,
+            saw_done=self.saw_done,
+            error=error,
+        )
+
+
+def summarise_events(events: Sequence[TimedEvent], started_s: float, endpoint: Endpoint) -> StreamOutcome:
+    """Interpret the events of an OpenAI completion stream."""
+    reader = StreamReader(started_s, endpoint)
+    for event in events:
+        reader.add(event)
+    return reader.outcome()
 
 
 def _header(response: Any, name: str) -> str | None:
@@ -200,10 +348,12 @@ class OpenAIStreamClient:
             raise ValueError(f"not an http(s) base URL: {base_url!r}")
         self.base_url = base_url
         self._path_prefix = parts.path.rstrip("/")
+        self._timeout_s = timeout_s
         self._http = HTTPClient.from_url(
             base_url,
             concurrency=1,
-            network_timeout=timeout_s,
+            # no per-read timer: the headers wait under one gevent.Timeout, the body under the watchdog
+            network_timeout=None,
             connection_timeout=min(connect_timeout_s, timeout_s),
             insecure=True,
         )
@@ -213,8 +363,9 @@ class OpenAIStreamClient:
 
     def first_model(self) -> str:
         """The first model the server lists (what a request without a model name should use)."""
-        response = self._http.get(self._path_prefix + "/v1/models")
-        body = response.read()
+        with gevent.Timeout(self._timeout_s, StreamTimeout(f"GET /v1/models: no answer in {self._timeout_s:g}s")):
+            response = self._http.get(self._path_prefix + "/v1/models")
+            body = response.read()
         if response.status_code != 200:
             raise RuntimeError(f"GET /v1/models answered HTTP {response.status_code}: {body[:ERROR_TEXT_LIMIT]!r}")
         models = json.loads(body).get("data") or []
@@ -244,7 +395,6 @@ class OpenAIStreamClient:
         if request.pinned_arm:
             headers[ARM_HEADER] = request.pinned_arm
 
-        timed_lines: list[tuple[float, bytes]] = []
         status = 0
         arm: str | None = None
         replica: str | None = None
@@ -253,48 +403,41 @@ class OpenAIStreamClient:
         sent_at = time.time()
         started_s = time.perf_counter()
         ended_s = started_s
+        reader = StreamReader(started_s, request.endpoint)
+        timeout_s = self._timeout_s
         try:
-            response = self._http.request("POST", self._path_prefix + request.path, body=payload, headers=headers)
+            with gevent.Timeout(timeout_s, StreamTimeout(f"no response headers in {timeout_s:g}s")):
+                response = self._http.request("POST", self._path_prefix + request.path, body=payload, headers=headers)
             status = response.status_code
             arm = _header(response, ARM_HEADER)
             replica = _header(response, REPLICA_HEADER)
             if status != 200:
-                detail = response.read()
+                with gevent.Timeout(timeout_s, StreamTimeout(f"no error body in {timeout_s:g}s")):
+                    detail = response.read()
                 ended_s = time.perf_counter()
                 transport_error = f"HTTP {status}: {detail[:ERROR_TEXT_LIMIT].decode('utf-8', 'replace')}"
             else:
-                # the timed loop: read, stamp, keep; nothing else happens between reads
-                readline = response.readline
-                append = timed_lines.append
-                clock = time.perf_counter
-                while True:
-                    line = readline(b"\n")
-                    now = clock()
-                    if not line:
-                        break
-                    append((now, line))
-                    ended_s = now
-                if not timed_lines:
-                    ended_s = time.perf_counter()
+                # the timed loop: read, stamp, then parse what the read brought
+                _read_body(response, reader.feed, timeout_s, time.perf_counter)
+                ended_s = reader.last_read_s if reader.last_read_s is not None else time.perf_counter()
         except GreenletExit:
             cancelled = self._record(
-                request, labels, sent_at, started_s, time.perf_counter(), timed_lines, status, arm, replica,
+                request, labels, sent_at, started_s, time.perf_counter(), reader, status, arm, replica,
                 transport_error="cancelled: the load test stopped during the request", cancelled=True,
             )
             if on_cancelled is not None:
                 on_cancelled(cancelled)
             raise
         except Exception as exc:  # connection refused, timeouts, resets: a failed request, not a crash
+            # (gevent.Timeout is not an Exception: the ones raised here carry a StreamTimeout)
             ended_s = time.perf_counter()
             transport_error = f"{type(exc).__name__}: {exc}"[:ERROR_TEXT_LIMIT]
         finally:
             if response is not None:
                 # returns a finished connection to the pool, closes a half-read one
                 response.release()
-        record = self._record(
-            request, labels, sent_at, started_s, ended_s, timed_lines, status, arm, replica, transport_error
-        )
-        return StreamResult(record=record, response_bytes=sum(len(line) for _, line in timed_lines))
+        record = self._record(request, labels, sent_at, started_s, ended_s, reader, status, arm, replica, transport_error)
+        return StreamResult(record=record, response_bytes=reader.bytes)
 
     @staticmethod
     def _record(
@@ -303,14 +446,14 @@ class OpenAIStreamClient:
         sent_at: float,
         started_s: float,
         ended_s: float,
-        timed_lines: list[tuple[float, bytes]],
+        reader: StreamReader,
         status: int,
         arm: str | None,
         replica: str | None,
         transport_error: str | None,
         cancelled: bool = False,
     ) -> RequestRecord:
-        outcome = summarise_events(parse_events(timed_lines), started_s, request.endpoint)
+        outcome = reader.outcome()
         error = transport_error or outcome.error
         return RequestRecord(
             request_id=labels.request_id,
@@ -321,6 +464,7 @@ class OpenAIStreamClient:
             replica=replica,
             pinned_arm=request.pinned_arm,
             dataset_index=labels.dataset_index,
+            level=labels.level,
             scheduled_at=labels.scheduled_at,
             sent_at=sent_at,
             ttft_s=outcome.ttft_s,

@@ -19,6 +19,7 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 
 from loadtests.arrivals import ArrivalKind
 from loadtests.datasets import DatasetKind, LengthDistribution
+from loadtests.profiles import LoadProfile
 from loadtests.records import Endpoint
 
 FLAG_PREFIX = "mtp"
@@ -55,10 +56,29 @@ class TrafficOptions(BaseModel):
     rate: float | None = Field(None, gt=0, description="open loop: total requests/s over all workers (default: closed loop)")
     arrival: ArrivalKind = Field("poisson", description="open-loop arrivals: poisson, constant or gamma")
     burstiness: float = Field(1.0, gt=0, description="gamma arrivals: shape (1 = Poisson, <1 burstier)")
+    steps: str | None = Field(
+        None,
+        description="stepped load: levels in order, e.g. 1,4,16, each for --mtp-step-s; closed loop: "
+        "level x --mtp-level-users users; open loop: level x --mtp-rate requests/s. Records carry the level",
+    )
+    step_s: float = Field(30.0, gt=0, description="seconds each level of --mtp-steps lasts")
+    ramp: str | None = Field(
+        None, description="ramped load FROM:TO (levels, as --mtp-steps) over --mtp-ramp-s; records carry the level"
+    )
+    ramp_s: float = Field(60.0, gt=0, description="seconds the --mtp-ramp takes")
+    level_users: float = Field(
+        1.0, gt=0, description="closed loop with --mtp-steps/--mtp-ramp: users per unit of level (e.g. replicas)"
+    )
     timeout_s: float = Field(600.0, gt=0, description="seconds a request may wait for its next bytes")
     ui_latency_rows: bool = Field(False, description="add TTFT and TPOT rows per arm to Locust's statistics")
     flush_timeout_s: float = Field(
         30.0, gt=0, description="how long the master waits for the workers' last records after a stop"
+    )
+    cpu_warn_pct: float = Field(
+        85.0, gt=0, description="warn that the generator limits the load when a worker uses more than this percent of one core"
+    )
+    lag_warn_ms: float = Field(
+        50.0, gt=0, description="open loop: warn that the generator limits the load when the send lag p99 exceeds this"
     )
 
     @field_validator("*", mode="before")
@@ -78,7 +98,23 @@ class TrafficOptions(BaseModel):
             LengthDistribution.parse(self.synthetic_output_tokens)
         if self.arm_pin is not None and not self.pinned_arms:
             raise ValueError("--mtp-arm-pin names no arm")
+        if self.steps is not None and self.ramp is not None:
+            raise ValueError("--mtp-steps and --mtp-ramp exclude each other")
+        self.profile  # noqa: B018 - parses the profile: a bad one is refused here
         return self
+
+    @property
+    def profile(self) -> LoadProfile | None:
+        """The stepped or ramped load profile, if the options ask for one."""
+        if self.steps is not None:
+            return LoadProfile.parse_steps(self.steps, self.step_s)
+        if self.ramp is not None:
+            return LoadProfile.parse_ramp(self.ramp, self.ramp_s)
+        return None
+
+    @property
+    def open_loop(self) -> bool:
+        return self.rate is not None
 
     @property
     def pinned_arms(self) -> tuple[str, ...]:
@@ -132,7 +168,8 @@ class CliArgument:
 
 
 # fields that make no sense to change from the web form (the master opened its file at start)
-_NOT_IN_WEB_UI = {"records", "flush_timeout_s"}
+# and the profile: the shape that applies it is installed when the process starts
+_NOT_IN_WEB_UI = {"records", "flush_timeout_s", "steps", "step_s", "ramp", "ramp_s", "level_users"}
 
 
 def cli_arguments() -> list[CliArgument]:

@@ -35,6 +35,9 @@ class RequestRecord(BaseModel):
     replica: str | None = Field(default=None, description="response header x-mtp-canary-replica")
     pinned_arm: str | None = Field(default=None, description="arm the client asked for, if it pinned one")
     dataset_index: int | None = Field(default=None, description="position in the seeded prompt sequence")
+    level: float | None = Field(
+        default=None, description="load level of a stepped or ramped profile when the request was due"
+    )
     scheduled_at: float | None = Field(default=None, description="targeted send time (open loop only)")
     sent_at: float
     ttft_s: float | None = Field(default=None, description="send -> first chunk that carries output")

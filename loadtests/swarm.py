@@ -6,6 +6,10 @@ processes, each in its own process group so that nothing outlives the Swarm, wha
 way it ends. The records arrive in one JSONL file written by the master; the Swarm
 reads the collection summary next to it and fails closed: a worker that died, or
 records that do not add up, raise `SwarmError` instead of returning partial numbers.
+
+Workers are local child processes by default. A `WorkerGroup` can start them elsewhere
+(`rollout.distributed_load` starts each one under a Ray actor on the cluster's nodes);
+the master stays a child process of this one either way, and the run is judged the same.
 """
 
 from __future__ import annotations
@@ -19,15 +23,20 @@ import sys
 import time
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Literal
+from typing import Literal, Protocol
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
 from loadtests.collection import CollectionSummary, summary_path_for
+from loadtests.health import GeneratorHealth
 from loadtests.options import TrafficOptions
 
 LOCUSTFILE = Path(__file__).resolve().with_name("locustfile.py")
 _PACKAGE_PARENT = str(Path(__file__).resolve().parent.parent)
+# the locustfile exits when the process named here is no longer its parent
+PARENT_PID_ENV = "MTP_CANARY_PARENT_PID"
+# environment variables that would silently change options the Swarm sets
+LOCUST_ENV_PREFIX = "LOCUST_"
 
 # how long a killed process may take to disappear
 _KILL_WAIT_S = 10.0
@@ -42,9 +51,15 @@ class SwarmSpec(BaseModel):
 
     host: str = Field(description="base URL the users call, e.g. the router's http://127.0.0.1:8000")
     traffic: TrafficOptions = Field(description="the --mtp-* options; traffic.records is required")
-    users: int = Field(ge=1, description="concurrent users: closed loop in-flight requests, open loop the cap")
+    users: int = Field(
+        ge=1,
+        description="concurrent users: closed loop in-flight requests, open loop the cap "
+        "(with a closed-loop profile the profile sets them; this only sizes the start)",
+    )
     spawn_rate: float | None = Field(None, gt=0, description="users started per second (default: all within 1 s)")
-    run_time_s: int = Field(gt=0, description="how long the load runs once all workers are connected")
+    run_time_s: int | None = Field(
+        None, gt=0, description="how long the load runs once all workers are connected (default: the profile's length)"
+    )
     n_workers: int = Field(1, ge=0, description="worker processes; 0 runs one local (non-distributed) process")
     stop_timeout_s: float = Field(
         30.0, ge=0, description="at the end, in-flight requests get this long to finish before they are cancelled"
@@ -52,7 +67,14 @@ class SwarmSpec(BaseModel):
     web_ui: bool = Field(False, description="serve Locust's web UI from the master while the run goes")
     web_host: str = "127.0.0.1"
     web_port: int = 8089
-    master_bind_host: str = Field("127.0.0.1", description="interface the master listens on for workers")
+    master_bind_host: str = Field(
+        "127.0.0.1", description="interface the master listens on for workers (0.0.0.0 when they run on other nodes)"
+    )
+    master_advertise_host: str | None = Field(
+        None,
+        description="address workers connect to (default: the bind host; 127.0.0.1 locally or this node's "
+        "cluster IP under Ray when binding every interface)",
+    )
     master_port: int | None = Field(None, description="master's port for workers (default: a free one)")
     startup_timeout_s: float = Field(60.0, gt=0, description="how long the workers get to connect")
     env: dict[str, str] = Field(default_factory=dict, description="extra environment for every Locust process")
@@ -67,7 +89,24 @@ class SwarmSpec(BaseModel):
         if self.users < self.n_workers:
             # a worker without users would leave its share of the prompts and the rate unsent
             raise ValueError(f"{self.users} users cannot keep {self.n_workers} workers busy")
+        profile = self.traffic.profile
+        if profile is None and self.run_time_s is None:
+            raise ValueError("SwarmSpec.run_time_s is required unless the traffic has a load profile")
+        if profile is not None and self.run_time_s is not None and self.run_time_s < profile.duration_s:
+            raise ValueError(
+                f"run_time_s {self.run_time_s} would cut the load profile ({profile.describe()}, "
+                f"{profile.duration_s:g} s) short"
+            )
         return self
+
+    @property
+    def duration_s(self) -> float:
+        """How long the load runs: run_time_s, or the profile's length."""
+        if self.run_time_s is not None:
+            return float(self.run_time_s)
+        profile = self.traffic.profile
+        assert profile is not None
+        return profile.duration_s
 
     @property
     def records_path(self) -> Path:
@@ -98,7 +137,12 @@ class SwarmProgress(BaseModel):
 
 
 class SwarmResult(BaseModel):
-    """A finished, complete run: every worker flushed and every record is in the file."""
+    """A finished, complete run: every worker flushed and every record is in the file.
+
+    `generator` tells whether the load generator kept up: each worker's CPU, the open-loop
+    send lag, and `generator_limited` with its `warnings` when it, not the server, limited
+    the load (a complete run can still be a generator-limited one: judge it with that).
+    """
 
     model_config = ConfigDict(frozen=True)
 
@@ -109,6 +153,15 @@ class SwarmResult(BaseModel):
     worker_exit_codes: list[int]
     duration_s: float
     log_dir: Path
+    generator: GeneratorHealth
+
+    @property
+    def generator_limited(self) -> bool:
+        return self.generator.generator_limited
+
+    @property
+    def warnings(self) -> list[str]:
+        return list(self.generator.warnings)
 
 
 class SwarmError(RuntimeError):
@@ -152,7 +205,10 @@ def master_command(spec: SwarmSpec, master_port: int) -> list[str]:
         "--host", spec.host,
         "--users", str(spec.users),
         "--spawn-rate", f"{spec.spawn_rate if spec.spawn_rate is not None else spec.users:g}",
-        "--run-time", f"{spec.run_time_s}s",
+    ]
+    if spec.run_time_s is not None:  # with a profile and no run time, the profile ends the test
+        command += ["--run-time", f"{spec.run_time_s}s"]
+    command += [
         "--stop-timeout", f"{spec.stop_timeout_s:g}",
         "--exit-code-on-error", "0",
         "--only-summary",
@@ -177,9 +233,9 @@ def locust_environment(extra: dict[str, str] | None = None) -> dict[str, str]:
     """The environment of a Locust process started from this process (also for a worker
     that a Ray actor starts with `worker_command`)."""
     # LOCUST_* variables would silently change options the Swarm sets
-    env = {key: value for key, value in os.environ.items() if not key.startswith("LOCUST_")}
+    env = {key: value for key, value in os.environ.items() if not key.startswith(LOCUST_ENV_PREFIX)}
     # the locustfile exits when this process is gone (its own session shields it from our signals)
-    env["MTP_CANARY_PARENT_PID"] = str(os.getpid())
+    env[PARENT_PID_ENV] = str(os.getpid())
     # the locustfile imports `loadtests` from this checkout whatever the working directory
     env["PYTHONPATH"] = os.pathsep.join(p for p in (_PACKAGE_PARENT, env.get("PYTHONPATH", "")) if p)
     env["PYTHONUNBUFFERED"] = "1"
@@ -225,29 +281,144 @@ class _RecordsTail:
                 self.failed += 1
 
 
+class WorkerGroup(Protocol):
+    """Where and how the Locust workers of a Swarm run.
+
+    The Swarm calls `prepare` before it starts the master (a group that cannot place its
+    workers fails there, before any load), `start` once the master listens, `poll` while
+    the run goes, `finish` after the master exited, and `kill` when the run fails.
+    """
+
+    def prepare(self, spec: SwarmSpec) -> None: ...
+
+    def start(self, spec: SwarmSpec, master_port: int) -> None:
+        """Start spec.n_workers workers connecting to the master on master_port."""
+        ...
+
+    def poll(self) -> list[int | None]:
+        """Each worker's exit code, None while it runs (a worker that cannot be asked is dead: non-zero)."""
+        ...
+
+    def describe(self, index: int) -> str:
+        """Where worker `index` logs, and the tail of its log, for an error message."""
+        ...
+
+    @property
+    def pids(self) -> list[int]: ...
+
+    def finish(self, grace_s: float) -> list[int]:
+        """After the master exited: give the workers grace_s to quit, then SIGTERM; their exit codes."""
+        ...
+
+    def kill(self) -> None:
+        """Kill every worker at once (the run failed); raise SwarmError if one survives."""
+        ...
+
+
+class LocalWorkers:
+    """Workers as child processes of this one, each in its own process group."""
+
+    def __init__(self) -> None:
+        self._spec: SwarmSpec | None = None
+        self._processes: list[subprocess.Popen[bytes]] = []
+
+    def prepare(self, spec: SwarmSpec) -> None:
+        self._spec = spec
+
+    def start(self, spec: SwarmSpec, master_port: int) -> None:
+        self._spec = spec
+        host = spec.master_advertise_host or (
+            "127.0.0.1" if spec.master_bind_host in ("0.0.0.0", "*") else spec.master_bind_host
+        )
+        for index in range(spec.n_workers):
+            command = worker_command(host, master_port, locustfile=spec.locustfile, python=spec.python)
+            self._processes.append(_spawn(spec, command, f"worker-{index}.log"))
+
+    def poll(self) -> list[int | None]:
+        return [process.poll() for process in self._processes]
+
+    def describe(self, index: int) -> str:
+        assert self._spec is not None
+        log = self._spec.logs / f"worker-{index}.log"
+        return f"log {log}:\n{_tail(log)}"
+
+    @property
+    def pids(self) -> list[int]:
+        return [process.pid for process in self._processes]
+
+    def finish(self, grace_s: float) -> list[int]:
+        """A worker normally exits right after the master's quit message, but after a
+        web-UI style stop Locust's worker sleeps out --stop-timeout before it reads that
+        message; SIGTERM takes it through Locust's own clean shutdown instead."""
+        codes = []
+        deadline = time.monotonic() + grace_s
+        for index, worker in enumerate(self._processes):
+            try:
+                codes.append(worker.wait(timeout=max(0.0, deadline - time.monotonic())))
+                continue
+            except subprocess.TimeoutExpired:
+                _signal_group(worker, signal.SIGTERM)
+            try:
+                codes.append(worker.wait(timeout=_KILL_WAIT_S))
+            except subprocess.TimeoutExpired:
+                raise SwarmError(f"locust worker {index} did not quit after the master ended; {self.describe(index)}")
+        return codes
+
+    def kill(self) -> None:
+        _kill_processes(self._processes)
+
+
+def _spawn(spec: SwarmSpec, command: Sequence[str], log_name: str) -> subprocess.Popen[bytes]:
+    with open(spec.logs / log_name, "wb") as log:
+        return subprocess.Popen(
+            list(command),
+            stdin=subprocess.DEVNULL,
+            stdout=log,
+            stderr=subprocess.STDOUT,
+            env=locust_environment(spec.env),
+            start_new_session=True,  # its own process group: killed as a whole
+        )
+
+
+def _kill_processes(processes: Sequence[subprocess.Popen[bytes]]) -> None:
+    for process in processes:
+        _signal_group(process, signal.SIGKILL)
+    for process in processes:
+        try:
+            process.wait(timeout=_KILL_WAIT_S)
+        except subprocess.TimeoutExpired:  # unkillable (stuck in the kernel): say so
+            raise SwarmError(f"locust process {process.pid} survived SIGKILL") from None
+
+
 class Swarm:
     """Runs one `SwarmSpec` to completion: `Swarm(spec, on_progress=print).run()`."""
+
+    # set by stop() from any thread; read by the thread inside run()
+    _stop_requested = False
+    _stop_sent = False
 
     def __init__(
         self,
         spec: SwarmSpec,
         on_progress: Callable[[SwarmProgress], None] | None = None,
         progress_interval_s: float = 1.0,
+        workers: WorkerGroup | None = None,
     ) -> None:
         self.spec = spec
         self._on_progress = on_progress
         self._progress_interval_s = progress_interval_s
         self._master: subprocess.Popen[bytes] | None = None
-        self._workers: list[subprocess.Popen[bytes]] = []
+        self._workers: WorkerGroup = workers if workers is not None else LocalWorkers()
+        self._started = False
 
     @property
     def pids(self) -> list[int]:
         """Process ids of the master and workers started so far."""
-        return [p.pid for p in ([self._master] if self._master else []) + self._workers]
+        return ([self._master.pid] if self._master else []) + self._workers.pids
 
     @property
     def worker_pids(self) -> list[int]:
-        return [p.pid for p in self._workers]
+        return self._workers.pids
 
     def run(self, timeout_s: float | None = None) -> SwarmResult:
         """Start master and workers, wait for the end, and return the checked result.
@@ -256,11 +427,12 @@ class Swarm:
         the flush timeout + a margin). On timeout, error or interrupt every Locust
         process is killed before the exception propagates.
         """
-        if self._master is not None:
+        if self._started:
             raise RuntimeError("a Swarm runs once; make a new one for the next run")
+        self._started = True
         spec = self.spec
         limit = timeout_s if timeout_s is not None else (
-            spec.startup_timeout_s + spec.run_time_s + spec.stop_timeout_s + spec.traffic.flush_timeout_s + 60.0
+            spec.startup_timeout_s + spec.duration_s + spec.stop_timeout_s + spec.traffic.flush_timeout_s + 60.0
         )
         spec.logs.mkdir(parents=True, exist_ok=True)
         spec.records_path.parent.mkdir(parents=True, exist_ok=True)
@@ -268,13 +440,38 @@ class Swarm:
             stale.unlink(missing_ok=True)  # a summary left from an earlier run must not pass for this one
         started = time.monotonic()
         try:
+            self._workers.prepare(spec)
             self._start()
             master_code = self._wait(started, limit)
-            worker_codes = self._wait_for_workers()
+            worker_codes = self._workers.finish(_WORKER_EXIT_GRACE_S)
         except BaseException:
             self.kill()
             raise
         return self._result(master_code, worker_codes, time.monotonic() - started)
+
+    def stop(self) -> None:
+        """End a running swarm early and gracefully; `run()` then returns as if its time was up.
+
+        Thread-safe (the usual caller is not the thread inside `run()`): the master gets
+        SIGTERM, Locust's own shutdown path, which stops the users (in-flight requests get
+        stop_timeout_s, then become cancelled records), collects every worker's records
+        and writes the summary. Locust installs its SIGTERM handler only once the test has
+        started (after the workers connected), so the signal waits for the first record
+        in the file (or for startup_timeout_s, when none ever comes).
+        """
+        self._stop_requested = True
+
+    def _send_stop_when_ready(self, started: float) -> None:
+        if not self._stop_requested or self._stop_sent or self._master is None:
+            return
+        try:
+            has_records = self.spec.records_path.stat().st_size > 0
+        except FileNotFoundError:
+            has_records = False
+        if not has_records and time.monotonic() - started < self.spec.startup_timeout_s:
+            return
+        self._stop_sent = True
+        _signal_group(self._master, signal.SIGTERM)
 
     def kill(self) -> None:
         """Kill every process group this Swarm started and reap them.
@@ -283,35 +480,17 @@ class Swarm:
         interrupted, the records so far are on disk (the master flushes every batch), and
         a graceful master would wait for workers that may be dead.
         """
-        processes = ([self._master] if self._master else []) + self._workers
-        for process in processes:
-            _signal_group(process, signal.SIGKILL)
-        for process in processes:
-            try:
-                process.wait(timeout=_KILL_WAIT_S)
-            except subprocess.TimeoutExpired:  # unkillable (stuck in the kernel): say so
-                raise SwarmError(f"locust process {process.pid} survived SIGKILL") from None
-
-    def _spawn(self, command: Sequence[str], log_name: str) -> subprocess.Popen[bytes]:
-        log_path = self.spec.logs / log_name
-        with open(log_path, "wb") as log:
-            return subprocess.Popen(
-                list(command),
-                stdin=subprocess.DEVNULL,
-                stdout=log,
-                stderr=subprocess.STDOUT,
-                env=locust_environment(self.spec.env),
-                start_new_session=True,  # its own process group: killed as a whole
-            )
+        try:
+            self._workers.kill()
+        finally:
+            _kill_processes([self._master] if self._master else [])
 
     def _start(self) -> None:
         spec = self.spec
         port = spec.master_port or free_port(spec.master_bind_host)
-        self._master = self._spawn(master_command(spec, port), "master.log")
-        connect_host = "127.0.0.1" if spec.master_bind_host in ("0.0.0.0", "*") else spec.master_bind_host
-        for index in range(spec.n_workers):
-            command = worker_command(connect_host, port, locustfile=spec.locustfile, python=spec.python)
-            self._workers.append(self._spawn(command, f"worker-{index}.log"))
+        self._master = _spawn(spec, master_command(spec, port), "master.log")
+        if spec.n_workers:
+            self._workers.start(spec, port)
 
     def _report(self, started: float, tail: _RecordsTail, master_exited: bool = False) -> None:
         if self._on_progress is None:
@@ -326,7 +505,7 @@ class Swarm:
                 elapsed_s=time.monotonic() - started,
                 requests_done=tail.done,
                 requests_failed=tail.failed,
-                workers_alive=sum(1 for w in self._workers if w.poll() is None),
+                workers_alive=sum(1 for code in self._workers.poll() if code is None),
             )
         )
 
@@ -339,13 +518,12 @@ class Swarm:
             if code is not None:
                 self._report(started, tail, master_exited=True)
                 return code
-            for index, worker in enumerate(self._workers):
-                worker_code = worker.poll()
+            for index, worker_code in enumerate(self._workers.poll()):
                 # a worker exits 0 only after the master told it to quit; anything else is a death
                 if worker_code is not None and worker_code != 0:
                     raise SwarmError(
                         f"locust worker {index} died with exit code {worker_code} during the run; "
-                        f"log {self.spec.logs / f'worker-{index}.log'}:\n{_tail(self.spec.logs / f'worker-{index}.log')}"
+                        f"{self._workers.describe(index)}"
                     )
             now = time.monotonic()
             if now - started > limit_s:
@@ -353,30 +531,8 @@ class Swarm:
             if now >= next_report:
                 self._report(started, tail)
                 next_report = now + self._progress_interval_s
+            self._send_stop_when_ready(started)
             time.sleep(0.1)
-
-    def _wait_for_workers(self) -> list[int]:
-        """Reap the workers once the master is gone.
-
-        A worker normally exits right after the master's quit message, but after a
-        web-UI style stop Locust's worker sleeps out --stop-timeout before it reads that
-        message; SIGTERM takes it through Locust's own clean shutdown instead.
-        """
-        codes = []
-        deadline = time.monotonic() + _WORKER_EXIT_GRACE_S
-        for index, worker in enumerate(self._workers):
-            try:
-                codes.append(worker.wait(timeout=max(0.0, deadline - time.monotonic())))
-                continue
-            except subprocess.TimeoutExpired:
-                _signal_group(worker, signal.SIGTERM)
-            try:
-                codes.append(worker.wait(timeout=_KILL_WAIT_S))
-            except subprocess.TimeoutExpired:
-                raise SwarmError(
-                    f"locust worker {index} did not quit after the master ended; log {self.spec.logs}/worker-{index}.log"
-                ) from None
-        return codes
 
     def _result(self, master_code: int, worker_codes: list[int], duration_s: float) -> SwarmResult:
         spec = self.spec
@@ -385,8 +541,7 @@ class Swarm:
             raise SwarmError(f"locust master exited with code {master_code}; log {master_log}:\n{_tail(master_log)}")
         for index, code in enumerate(worker_codes):
             if code != 0:
-                log = spec.logs / f"worker-{index}.log"
-                raise SwarmError(f"locust worker {index} exited with code {code}; log {log}:\n{_tail(log)}")
+                raise SwarmError(f"locust worker {index} exited with code {code}; {self._workers.describe(index)}")
         summary_path = summary_path_for(spec.records_path)
         if not summary_path.exists():
             raise SwarmError(f"the master wrote no collection summary ({summary_path}); log {master_log}")
@@ -398,8 +553,11 @@ class Swarm:
             lines = sum(1 for line in records if line.strip())
         if lines != summary.records_written:
             problems.append(f"the records file holds {lines} records, the master counted {summary.records_written}")
+        if summary.generator is None:
+            problems.append("the collection summary has no generator health")
         if problems:
             raise SwarmError("records incomplete: " + "; ".join(problems) + f"; logs in {spec.logs}")
+        assert summary.generator is not None
         return SwarmResult(
             records_path=spec.records_path,
             n_records=summary.records_written,
@@ -408,6 +566,7 @@ class Swarm:
             worker_exit_codes=worker_codes,
             duration_s=duration_s,
             log_dir=spec.logs,
+            generator=summary.generator,
         )
 
 

@@ -4,7 +4,9 @@ One `TrafficShare` per Locust process (worker or local run), shared by its users
 global request sequence is cut into interleaved slots: the process in slot s of n sends
 prompts s, s + n, s + 2n, ... and, in open loop, its share of the global arrival
 schedule. Users take tickets one at a time; a user that is busy when its ticket's time
-comes sends late, and the record shows by how much.
+comes sends late, and the record shows by how much. With a load profile every request
+is tagged with the level it was due at (open loop: its targeted time; closed loop: the
+time it leaves), on the one clock the master's plan starts for every worker.
 """
 
 from __future__ import annotations
@@ -53,6 +55,7 @@ class TrafficShare:
         )
         if self.prompts.has_chats and options.endpoint != "chat":
             raise ValueError("the dataset holds chat conversations: use --mtp-endpoint chat")
+        self.profile = options.profile
         self.arrivals: ArrivalSchedule | None = None
         if options.rate is not None:
             self.arrivals = arrival_schedule(
@@ -63,6 +66,7 @@ class TrafficShare:
                 seed=options.seed,
                 slot=plan.slot,
                 n_slots=plan.n_slots,
+                profile=self.profile,
             )
         # resolved once per process from /v1/models when the options name no model
         self.model: str | None = options.model
@@ -87,3 +91,14 @@ class TrafficShare:
         )
         scheduled_at = self.arrivals.next_send_time() if self.arrivals is not None else None
         return RequestTicket(sequence=sequence, prompt=prompt, request=request, scheduled_at=scheduled_at)
+
+    @property
+    def ends_at(self) -> float | None:
+        """With a profile, the epoch time the load ends: nothing is sent from then on."""
+        return None if self.profile is None else self.plan.start_at + self.profile.duration_s
+
+    def level_at(self, epoch_s: float) -> float | None:
+        """The profile's level at a wall-clock time (None without a profile)."""
+        if self.profile is None:
+            return None
+        return self.profile.level_at(epoch_s - self.plan.start_at)

@@ -6,6 +6,7 @@ from __future__ import annotations
 import json
 import statistics
 import sys
+import time
 from pathlib import Path
 
 import gevent
@@ -14,8 +15,12 @@ import pytest
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from benchmarks.stream_target import TargetProcess, TokenSchedule  # noqa: E402
+from hypothesis import given, settings  # noqa: E402
+from hypothesis import strategies as st  # noqa: E402
+
 from loadtests.openai_stream import (  # noqa: E402
     OpenAIStreamClient,
+    StreamReader,
     RecordLabels,
     StreamRequest,
     summarise_events,
@@ -68,6 +73,38 @@ def test_an_event_is_stamped_when_its_data_line_completed():
 def test_a_last_event_without_its_blank_line_is_kept():
     assert [e.data for e in parse_events([(1.0, b"data: [DONE]")])] == ["[DONE]"]
     assert [e.data for e in parse_events([(1.0, b"data: [DONE]\n")])] == ["[DONE]"]
+
+
+VLLM_LIKE = b"".join(
+    [sse({"choices": [{"index": 0, "text": f" t{i}", "finish_reason": None}]}) for i in range(6)]
+    + [b": ping\n\n", b"data: {\"a\":\ndata: 2}\n\n", sse(usage_chunk(6)), b"data: [DONE]\n\n"]
+)
+
+
+@settings(max_examples=200, deadline=None)
+@given(cuts=st.lists(st.integers(min_value=1, max_value=len(VLLM_LIKE) - 1), max_size=12, unique=True),
+       crlf=st.booleans())
+def test_events_and_their_read_times_do_not_depend_on_how_the_bytes_were_cut(cuts, crlf):
+    stream = VLLM_LIKE.replace(b"\n", b"\r\n") if crlf else VLLM_LIKE
+    bounds = [0] + sorted(c for c in cuts if c < len(stream)) + [len(stream)]
+    pieces = [(float(i), stream[a:b]) for i, (a, b) in enumerate(zip(bounds, bounds[1:]))]
+    events = parse_events(pieces)
+    assert [e.data for e in events] == [e.data for e in parse_events([(0.0, stream)])]
+    assert len(events) == 9 and events[6].data == '{"a":\n2}'
+    # each event is stamped with the read that completed its last data line
+    for event in events:
+        payload = f"data: {event.data.splitlines()[-1]}".encode()
+        line_end = stream.index(payload) + len(payload) + (1 if crlf else 0)  # the LF of that line
+        piece = next(i for i, (a, b) in enumerate(zip(bounds, bounds[1:])) if a <= line_end < b)
+        assert event.received_s == float(piece), (event, pieces)
+    # read by read, as the client does, the stream says the same as parsed whole
+    reader = StreamReader(started_s=-1.0, endpoint="completions")
+    for read_s, piece in pieces:
+        reader.feed(read_s, piece)
+    incremental = reader.outcome()
+    assert incremental == summarise_events(events, -1.0, "completions")
+    assert (incremental.chunks, incremental.output_tokens, incremental.error) == (6, 6, None)
+    assert reader.bytes == len(stream)
 
 
 # --- reading OpenAI chunks -----------------------------------------------------------
@@ -195,6 +232,23 @@ def test_failures_become_records_not_exceptions():
     refused = OpenAIStreamClient(url, connect_timeout_s=2).stream(
         StreamRequest(endpoint="completions", model="m", max_tokens=2, prompt="x"), LABELS).record
     assert (refused.ok, refused.status, refused.ttft_s) == (False, 0, None) and refused.error
+
+
+def test_a_stream_that_stops_sending_times_out():
+    # the first chunk after 10 ms, the next one only after 5 s: longer than the client waits
+    with TargetProcess(ttft_ms=10, tpot_ms=5000) as target:
+        client = OpenAIStreamClient(target.url, timeout_s=0.4)
+        started = time.monotonic()
+        record = client.stream(StreamRequest(endpoint="completions", model="m", max_tokens=3, prompt="x"),
+                               LABELS).record
+        waited = time.monotonic() - started
+        after = client.stream(StreamRequest(endpoint="completions", model="m", max_tokens=1, prompt="x"),
+                              LABELS).record  # the cut connection is not reused
+        client.close()
+    assert not record.ok and record.status == 200 and "read timeout" in record.error
+    assert record.chunks == 1 and record.ttft_s is not None
+    assert 0.4 <= waited < 1.5
+    assert after.ok, after.error
 
 
 def test_a_request_killed_mid_stream_still_leaves_a_record():

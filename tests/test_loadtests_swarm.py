@@ -93,6 +93,12 @@ def test_distributed_open_loop_run_records_every_request_once(tmp_path):
     # open loop: every request had a targeted time, and the generator kept up with it
     assert all(r.scheduled_at is not None for r in records)
     assert statistics.median(r.send_lag_s for r in records) < 0.05
+    # the run reports the generator's own health: each worker's CPU and the send lag
+    generator = result.generator
+    assert sorted(w.worker for w in generator.workers) == sorted({r.worker for r in records})
+    assert all(w.cpu_s > 0 and w.wall_s >= 3 and 0 < w.cpu_pct < 100 for w in generator.workers)
+    assert generator.scheduled_requests == len(records)
+    assert generator.send_lag_p50_ms == pytest.approx(1000 * statistics.median(r.send_lag_s for r in records), rel=0.2)
 
     assert progress and progress[-1].requests_done == len(records)
     assert [p.requests_done for p in progress] == sorted(p.requests_done for p in progress)
