@@ -393,6 +393,7 @@ class Controller:
         windows_of: list[int] = []
         spec_delta: dict[str, SpecDecodeStats] = {}
         unscraped: set[str] = set()
+        generator_warnings: list[str] = []
         latency_gates: list[GateResult] = []
         acceptance_gate: GateResult | None = None
         window_summaries = []
@@ -401,6 +402,12 @@ class Controller:
             result = self._run_window(window, arms_pinned, replicas)
             after = self.fleet.metrics()
             window_records = read_records(result.records_path)
+            if result.generator.generator_limited:
+                # The generator, not the server, limited the load: the window still counts,
+                # but the report must say its latencies include client-side delay.
+                for warning in result.generator.warnings:
+                    generator_warnings.append(f"window {window}: {warning}")
+                    self.say(f"experiment: load generator limited: {warning}")
             stored = self.store.add_request_samples(self.run_id, "experiment", window, window_records)
             if stored != len(window_records):
                 raise InfrastructureError(f"experiment: window {window} had duplicate request ids")
@@ -460,6 +467,7 @@ class Controller:
             "latency_ms": {arm: _latency_summary(records, arm) for arm in (BASELINE, CANARY)},
             "client_tokens_per_chunk": {arm: _mean([r.decode_tokens_per_chunk for r in records if r.arm == arm]) for arm in (BASELINE, CANARY)},
             "generator_send_lag_p99_ms": _p([r.send_lag_s for r in records if r.send_lag_s is not None], 99),
+            "generator_warnings": generator_warnings,
             "duration_s": time.monotonic() - t0,
         }
         self.result.gates += latency_gates + ([acceptance_gate] if acceptance_gate else [])

@@ -124,6 +124,9 @@ def markdown_report(doc: dict[str, Any]) -> str:
                 f"| {_num(exp['client_tokens_per_chunk'].get(arm), 2)} |"
             )
         lines.append(f"\nGenerator send lag p99: {_num(exp.get('generator_send_lag_p99_ms'), 1)} ms")
+        if exp.get("generator_warnings"):
+            lines += ["", "**The load generator limited the load** (latencies include client-side delay):", ""]
+            lines += [f"- {w}" for w in exp["generator_warnings"]]
     acc = doc.get("accuracy") or {}
     if acc:
         lines += ["", "## Accuracy", "", f"{acc['items']} of {acc['planned_items']} {acc['kind']} items, greedy, identical for every arm."]
