@@ -22,12 +22,10 @@ resource, e.g. `ray start --resources '{"loadgen": 4}'`).
 from __future__ import annotations
 
 import os
-import signal
 import socket
 import subprocess
 import sys
 import tempfile
-import time
 from collections import deque
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -37,9 +35,8 @@ from typing import Any
 import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
-from cluster.reaper import group_alive, kill_group
+from cluster.reaper import start_watchdog, stop_group
 
-_CLUSTER_PARENT = str(Path(__file__).resolve().parent.parent)
 
 
 @dataclass
@@ -90,7 +87,6 @@ class SupervisedProcessServer:
         directory = Path(log_dir) if log_dir else Path(tempfile.gettempdir()) / "mtp-canary-processes"
         self.log_path = str(directory / f"{name}.log")
         self._proc: subprocess.Popen[bytes] | None = None
-        self._reaper: subprocess.Popen[bytes] | None = None
         self._error: str | None = None
 
     def _node(self) -> tuple[str, str]:
@@ -150,22 +146,11 @@ class SupervisedProcessServer:
             except OSError as exc:
                 self._error = f"could not start {command[0]!r}: {exc}"
                 return self.status()
-        self._reaper = subprocess.Popen(
-            [sys.executable, "-m", "cluster.reaper", "--owner-pid", str(os.getpid()), "--pgid", str(self._proc.pid),
-             "--grace-s", f"{reaper_grace_s:g}"],
-            stdin=subprocess.DEVNULL,
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.DEVNULL,
-            start_new_session=True,
-            cwd=_CLUSTER_PARENT,
-        )
-        # the reaper detaches (forks, its first process exits) so that Ray, which kills a dead
-        # worker's direct children, cannot take it down with this actor; until it has, an
-        # actor that dies would orphan the group: return only once it has detached
+        # Returns once the watchdog has detached (see cluster.reaper.start_watchdog).
         try:
-            self._reaper.wait(timeout=60)
-        except subprocess.TimeoutExpired:
-            self._error = "the reaper watchdog did not start within 60 s"
+            start_watchdog(os.getpid(), self._proc.pid, grace_s=reaper_grace_s)
+        except (subprocess.SubprocessError, OSError) as exc:
+            self._error = f"the reaper watchdog did not start: {exc}"
         return self.status()
 
     def status(self, log_lines: int = 20) -> ProcessStatus:
@@ -203,25 +188,8 @@ class SupervisedProcessServer:
     def stop(self, grace_s: float = 10.0) -> ProcessStatus:
         """SIGTERM the process group, SIGKILL what is left after grace_s; reap; idempotent."""
         if self._proc is not None:
-            pgid = self._proc.pid
-            if self._proc.poll() is None or group_alive(pgid):
-                try:
-                    os.killpg(pgid, signal.SIGTERM)
-                except ProcessLookupError:
-                    pass
-                deadline = time.monotonic() + grace_s
-                try:
-                    self._proc.wait(timeout=grace_s)
-                except subprocess.TimeoutExpired:
-                    pass
-                # the leader may be gone while children it started linger
-                kill_group(pgid, grace_s=max(0.0, deadline - time.monotonic()))
-            try:
-                self._proc.wait(timeout=10.0)
-            except subprocess.TimeoutExpired:
-                pass
+            stop_group(self._proc, grace_s)
         # the detached reaper exits by itself now that the group is empty
-        self._reaper = None
         return self.status()
 
 

@@ -20,7 +20,12 @@ from __future__ import annotations
 import argparse
 import os
 import signal
+import subprocess
+import sys
 import time
+from pathlib import Path
+
+_PACKAGE_PARENT = str(Path(__file__).resolve().parent.parent)
 
 
 def _alive(pid: int) -> bool:
@@ -57,6 +62,49 @@ def kill_group(pgid: int, grace_s: float) -> None:
     try:
         os.killpg(pgid, signal.SIGKILL)
     except ProcessLookupError:
+        pass
+
+
+def start_watchdog(owner_pid: int, pgid: int, grace_s: float = 10.0, timeout_s: float = 60.0) -> None:
+    """Start the watchdog for `pgid`; returns once it has detached from the caller.
+
+    Until it has, an owner that dies would take it down too (Ray kills a dead
+    worker's direct children) and orphan the group, so this waits for the fork.
+    """
+    subprocess.run(
+        [sys.executable, "-m", "cluster.reaper", "--owner-pid", str(owner_pid), "--pgid", str(pgid),
+         "--grace-s", f"{grace_s:g}"],
+        stdin=subprocess.DEVNULL,
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.DEVNULL,
+        start_new_session=True,
+        cwd=_PACKAGE_PARENT,
+        check=True,
+        timeout=timeout_s,
+    )
+
+
+def stop_group(proc: subprocess.Popen, grace_s: float) -> None:
+    """SIGTERM the group `proc` leads, SIGKILL whatever is left after grace_s, reap the leader.
+
+    The leader may be gone while processes it started (vLLM's engine core and
+    workers) linger in its group: the group, not the pid, is what is stopped.
+    """
+    pgid = proc.pid
+    if proc.poll() is None or group_alive(pgid):
+        deadline = time.monotonic() + grace_s
+        try:
+            os.killpg(pgid, signal.SIGTERM)
+        except ProcessLookupError:
+            pass
+        try:
+            proc.wait(timeout=grace_s)
+        except subprocess.TimeoutExpired:
+            pass
+        kill_group(pgid, grace_s=max(1.0, deadline - time.monotonic()))
+    try:
+        proc.wait(timeout=10.0)
+    except subprocess.TimeoutExpired:
         pass
 
 

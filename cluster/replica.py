@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import os
 import re
-import signal
 import socket
 import subprocess
 import sys
@@ -29,7 +28,7 @@ import requests
 
 from cluster.engine_spec import EngineSpec
 from cluster.metrics import MetricsSnapshot, parse_metrics
-from cluster.reaper import group_alive, kill_group
+from cluster.reaper import start_watchdog, stop_group
 
 # Engine warnings worth a line in the report. The first is the MiMo-V2 MTP
 # layer reuse (vLLM loads MTP layer 0 only and runs it k times).
@@ -86,18 +85,6 @@ def read_tail(path: str | Path, lines: int = 40) -> list[str]:
         return []
 
 
-def _set_parent_death_signal() -> None:
-    """In the child before exec: SIGTERM this process when its parent dies (Linux)."""
-    try:
-        import ctypes
-
-        libc = ctypes.CDLL("libc.so.6", use_errno=True)
-        PR_SET_PDEATHSIG = 1
-        libc.prctl(PR_SET_PDEATHSIG, signal.SIGTERM)
-    except OSError:
-        pass  # not Linux: the reaper still covers it
-
-
 class VLLMReplicaServer:
     """The replica's logic; `VLLMReplica` is the Ray actor class built from it."""
 
@@ -142,8 +129,10 @@ class VLLMReplicaServer:
                 stderr=subprocess.STDOUT,
                 stdin=subprocess.DEVNULL,
                 env=env,
-                start_new_session=True,  # own process group: stop() kills engine + workers too
-                preexec_fn=_set_parent_death_signal,
+                # Own process group: stop() kills engine + workers too. No parent-death
+                # signal: Linux sends it when the forking *thread* exits, and Ray's task
+                # threads come and go (seen: a healthy server SIGTERMed seconds after start).
+                start_new_session=True,
             )
         except OSError as exc:
             self._state = ReplicaState.FAILED
@@ -152,16 +141,12 @@ class VLLMReplicaServer:
         finally:
             log.close()
         # The watchdog detaches itself and exits once the group is gone.
-        subprocess.run(
-            [sys.executable, "-m", "cluster.reaper", "--owner-pid", str(os.getpid()), "--pgid", str(self._proc.pid)],
-            stdin=subprocess.DEVNULL,
-            stdout=subprocess.DEVNULL,
-            stderr=subprocess.DEVNULL,
-            start_new_session=True,
-            cwd=str(Path(__file__).resolve().parent.parent),
-            check=True,
-            timeout=60,
-        )
+        try:
+            start_watchdog(os.getpid(), self._proc.pid)
+        except (subprocess.SubprocessError, OSError) as exc:
+            self._error = f"the reaper watchdog did not start: {exc}"
+            self._state = ReplicaState.FAILED
+            stop_group(self._proc, grace_s=5.0)
         return self.status()
 
     @property
@@ -250,19 +235,7 @@ class VLLMReplicaServer:
     def stop(self, grace_s: float = 15.0) -> ReplicaStatus:
         """SIGTERM the server's process group, SIGKILL after grace_s; idempotent."""
         if self._proc is not None:
-            pgid = self._proc.pid
-            if self._proc.poll() is None or group_alive(pgid):
-                try:
-                    os.killpg(pgid, signal.SIGTERM)
-                except ProcessLookupError:
-                    pass
-                try:
-                    self._proc.wait(timeout=grace_s)
-                except subprocess.TimeoutExpired:
-                    pass
-                # The API server may be gone while its engine processes linger.
-                kill_group(pgid, grace_s=max(1.0, grace_s / 3))
-            self._proc.poll()
+            stop_group(self._proc, grace_s)
         if self._state != ReplicaState.FAILED:
             self._state = ReplicaState.STOPPED
         return ReplicaStatus(

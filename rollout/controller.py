@@ -33,7 +33,7 @@ import requests
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from cluster.fleet import ArmSpec, Fleet, FleetStartError
-from cluster.metrics import MetricsSnapshot, SpecDecodeStats
+from cluster.metrics import SpecDecodeStats
 from cluster.ray_cluster import connect
 from cluster.router import Router
 from loadtests.options import TrafficOptions
@@ -303,7 +303,7 @@ class Controller:
         return spec
 
     def _accuracy(self) -> None:
-        cfg, gates_cfg = self.cfg, self.cfg.gates
+        cfg = self.cfg
         spec = self._eval_spec()
         items: list[EvalItem] = load_items(spec)
         arms = [BASELINE, CANARY] + ([TWIN] if TWIN in self.engines else [])

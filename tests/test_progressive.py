@@ -231,7 +231,7 @@ def test_steps_promote_with_the_split_following_the_weights(tmp_path, router, ta
     assert [w["window"] for w in windows] == [1, 2, 3, 4, 5, 6]
     assert [w["canary_weight"] for w in windows] == [10, 10, 50, 50, 100, 100]
     assert all(len(w["gates"]) == 5 for w in windows)
-    assert h.store.run(h.run_id)["step"] == 2 and h.store.run(h.run_id)["canary_weight"] == 100
+    assert h.store.run(h.run_id)["step"] == 3 and h.store.run(h.run_id)["canary_weight"] == 100
     h.check_records()
     assert outcome.records == h.store.count_request_samples(h.run_id, PHASE) and outcome.load_error is None
     assert any("step 2/3 canary 50%" in line and "window 3" in line for line in h.lines)
