@@ -43,6 +43,21 @@ def wait_no_server_processes(timeout_s: float = 30.0) -> list[psutil.Process]:
     return left
 
 
+def alive(pid: int) -> bool:
+    try:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
+    except psutil.NoSuchProcess:
+        return False
+
+
+def wait_until_gone(pids, timeout_s: float) -> list[int]:
+    """The pids of `pids` still alive (not zombies) after up to timeout_s."""
+    deadline = time.monotonic() + timeout_s
+    while time.monotonic() < deadline and any(alive(p) for p in pids):
+        time.sleep(0.2)
+    return [p for p in pids if alive(p)]
+
+
 @pytest.fixture(scope="session")
 def tiny_model_dir() -> Path:
     from rollout.tiny_checkpoint import TinyCheckpointSpec, ensure_checkpoint

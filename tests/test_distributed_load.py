@@ -25,21 +25,8 @@ from cluster.process import placement_options, supervised_process_actor  # noqa:
 from loadtests.options import TrafficOptions  # noqa: E402
 from loadtests.records import read_records  # noqa: E402
 from loadtests.swarm import SwarmError, SwarmSpec  # noqa: E402
+from tests.conftest import alive, wait_until_gone  # noqa: E402
 from rollout.distributed_load import DistributedSwarm, run_distributed_swarm  # noqa: E402
-
-
-def alive(pid: int) -> bool:
-    try:
-        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
-    except psutil.NoSuchProcess:
-        return False
-
-
-def wait_until_gone(pids, timeout_s: float) -> list[int]:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline and any(alive(p) for p in pids):
-        time.sleep(0.2)
-    return [p for p in pids if alive(p)]
 
 
 @pytest.fixture(scope="module")

@@ -12,7 +12,7 @@ import requests
 
 from cluster.engine_spec import CpuLimits, EngineSpec
 from cluster.fleet import ArmSpec, Fleet, FleetStartError
-from tests.conftest import server_processes, wait_no_server_processes
+from tests.conftest import wait_no_server_processes
 
 pytestmark = pytest.mark.vllm
 

@@ -14,7 +14,6 @@ import textwrap
 import time
 from pathlib import Path
 
-import psutil
 import pytest
 
 REPO = Path(__file__).resolve().parents[1]
@@ -24,22 +23,9 @@ from benchmarks.stream_target import TargetProcess  # noqa: E402
 from loadtests.options import TrafficOptions  # noqa: E402
 from loadtests.records import read_records  # noqa: E402
 from loadtests.swarm import Swarm, SwarmError, SwarmSpec  # noqa: E402
+from tests.conftest import wait_until_gone  # noqa: E402
 
 TTFT_S, TPOT_S, TOKENS = 0.040, 0.005, 33
-
-
-def alive(pid: int) -> bool:
-    try:
-        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
-    except psutil.NoSuchProcess:
-        return False
-
-
-def wait_until_gone(pids, timeout_s: float) -> list[int]:
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline and any(alive(p) for p in pids):
-        time.sleep(0.2)
-    return [p for p in pids if alive(p)]
 
 
 def test_importing_the_swarm_keeps_gevent_out():
