@@ -66,6 +66,9 @@ class Fleet:
     progress: Progress = print
     actor_name_prefix: str | None = None  # named actors let a later process reattach
     namespace: str | None = None
+    # detached (needs a name prefix): the replicas outlive this driver (resume after a crash);
+    # each holds a lease the owner must renew (cluster.lease), so an abandoned fleet stops itself
+    detached: bool = False
     bind_host: str = "127.0.0.1"  # "0.0.0.0" when Locust or the router run on another node
     placement_timeout_s: float = 60.0
     poll_s: float = 2.0
@@ -81,7 +84,8 @@ class Fleet:
             {"GPU": float(arm.engine.tensor_parallel_size)} if arm.engine.device == "gpu" else {"CPU": 0.001}
             for arm, _ in specs
         ]
-        pg = placement_group(bundles, strategy="PACK")
+        pg_options = {"name": f"{self.actor_name_prefix}gpus", "lifetime": "detached"} if self.detached else {}
+        pg = placement_group(bundles, strategy="PACK", **pg_options)
         if not _wait_placement(pg, self.placement_timeout_s):
             remove_placement_group(pg)
             need = ", ".join(f"{arm.name}: {arm.replicas} x {arm.engine.tensor_parallel_size} GPU" for arm in self.arms)
@@ -97,6 +101,8 @@ class Fleet:
 
     def create_actors(self) -> list[ReplicaHandle]:
         """Place one actor per replica (GPU reservations first); starts no server yet."""
+        if self.detached and not self.actor_name_prefix:
+            raise ValueError("a detached fleet needs actor_name_prefix (a later process finds it by name)")
         Path(self.log_dir).mkdir(parents=True, exist_ok=True)
         strategies = self._reserve_gpus()
         index = 0
@@ -110,6 +116,8 @@ class Fleet:
                     options["name"] = f"{self.actor_name_prefix}{name}"
                 if self.namespace:
                     options["namespace"] = self.namespace
+                if self.detached:
+                    options["lifetime"] = "detached"
                 actor = VLLMReplica.options(**options).remote(
                     name, arm.name, arm.engine.model_dump(), str(Path(self.log_dir).resolve()), self.bind_host
                 )
@@ -164,6 +172,60 @@ class Fleet:
                     last_line = st.log_tail[-1][:120] if st.log_tail else ""
                     self.progress(f"fleet: {st.name} starting ({st.elapsed_s:.0f} s) | {last_line}")
             time.sleep(self.poll_s)
+
+    # -- reattach (resume) -----------------------------------------------------
+    def planned_names(self) -> list[tuple[str, str]]:
+        """(replica name, arm) of every replica this fleet has, in start order."""
+        return [(f"{arm.name}-{i}", arm.name) for arm in self.arms for i in range(arm.replicas)]
+
+    def _find(self, name: str):
+        try:
+            return ray.get_actor(f"{self.actor_name_prefix or ''}{name}", namespace=self.namespace)
+        except ValueError:  # no actor of that name (never created, or dead)
+            return None
+
+    def attach(self) -> bool:
+        """Adopt the named replicas an earlier process started; True only if every one is there and ready.
+
+        On False nothing is adopted: call `remove_leftovers()` and start anew.
+        """
+        handles = []
+        for name, arm in self.planned_names():
+            actor = self._find(name)
+            if actor is None:
+                return False
+            handles.append(ReplicaHandle(name=name, arm=arm, actor=actor))
+        try:
+            statuses = ray.get([h.actor.status.remote() for h in handles], timeout=30)
+        except ray.exceptions.RayError:
+            return False
+        if any(st.state != ReplicaState.READY for st in statuses):
+            return False
+        for handle, st in zip(handles, statuses):
+            handle.status = st
+        self.replicas = handles
+        if self.detached:
+            self._placement_group = _named_placement_group(f"{self.actor_name_prefix}gpus")
+        self.progress(f"fleet: reattached {len(handles)} running replica(s)")
+        return True
+
+    def remove_leftovers(self) -> None:
+        """Stop whatever an earlier process left of this fleet (some replicas, a GPU reservation)."""
+        found = [(name, arm, self._find(name)) for name, arm in self.planned_names()]
+        self.replicas = [ReplicaHandle(name=n, arm=a, actor=actor) for n, a, actor in found if actor is not None]
+        if self.detached:
+            self._placement_group = _named_placement_group(f"{self.actor_name_prefix}gpus")
+        if self.replicas:
+            self.progress(f"fleet: stopping {len(self.replicas)} replica(s) left from an earlier attempt")
+        self.teardown()
+
+    def renew_leases(self, seconds: float) -> None:
+        """Fire-and-forget lease renewal of every replica (see cluster.lease)."""
+        for r in self.replicas:
+            try:
+                r.actor.renew_lease.remote(seconds)
+            except Exception:  # a dead actor: the health checks report it
+                pass
 
     # -- observe ---------------------------------------------------------------
     def urls(self, arm: str | None = None) -> dict[str, list[str]] | list[str]:
@@ -226,6 +288,13 @@ class Fleet:
 
     def __exit__(self, *exc) -> None:
         self.teardown()
+
+
+def _named_placement_group(name: str):
+    try:
+        return ray.util.get_placement_group(name)
+    except ValueError:
+        return None
 
 
 def _wait_placement(pg, timeout_s: float) -> bool:

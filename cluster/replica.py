@@ -27,6 +27,7 @@ import ray
 import requests
 
 from cluster.engine_spec import EngineSpec
+from cluster.lease import Lease
 from cluster.metrics import MetricsSnapshot, parse_metrics
 from cluster.reaper import start_watchdog, stop_group
 
@@ -100,6 +101,7 @@ class VLLMReplicaServer:
         self._state = ReplicaState.PENDING
         self._error: str | None = None
         self._ready_after_s: float | None = None
+        self._lease = Lease(f"replica {name}", on_lapse=lambda: self.stop(grace_s=10.0))
 
     # -- start -----------------------------------------------------------------
     def planned_launch(self, port: int = 0) -> tuple[list[str], dict[str, str]]:
@@ -230,6 +232,14 @@ class VLLMReplicaServer:
 
     def log_tail(self, lines: int = 40) -> list[str]:
         return read_tail(self.log_path, lines)
+
+    def release_lease(self) -> None:
+        """No deadline: the actor stays until stopped (keep_fleet)."""
+        self._lease.release()
+
+    def renew_lease(self, seconds: float) -> float:
+        """Keep this replica alive `seconds` longer; unrenewed, it stops its server and exits."""
+        return self._lease.renew(seconds)
 
     # -- stop ------------------------------------------------------------------
     def stop(self, grace_s: float = 15.0) -> ReplicaStatus:

@@ -37,6 +37,8 @@ import ray
 from aiohttp import web
 from yarl import URL
 
+from cluster.lease import Lease
+
 BASELINE = "baseline"
 CANARY = "canary"
 # Arms a client may always pin, even before `set_arms` (then: 503, not 400).
@@ -306,6 +308,8 @@ class RouterServer:
         self._session: aiohttp.ClientSession | None = None
         self._bound: tuple[str, int] | None = None
         self._url: str | None = None
+        # Unrenewed (its controller dead and nobody resuming), the router ends its process.
+        self._lease = Lease("router")
 
     # ---- lifecycle -------------------------------------------------------
 
@@ -453,6 +457,14 @@ class RouterServer:
         for replicas in self._replica_counters.values():
             for counter in replicas.values():
                 counter.reset_totals()
+
+    async def release_lease(self) -> None:
+        """No deadline: the actor stays until stopped (keep_fleet)."""
+        self._lease.release()
+
+    async def renew_lease(self, seconds: float) -> float:
+        """Keep the router alive `seconds` longer (see cluster.lease)."""
+        return self._lease.renew(seconds)
 
     async def get_state(self) -> RouterState:
         return self._state()

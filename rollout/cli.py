@@ -71,6 +71,43 @@ def _cmd_run(args: argparse.Namespace) -> int:
     return result.exit_code
 
 
+def _cmd_resume(args: argparse.Namespace) -> int:
+    store = _open_store(args.runs_dir, "resume")
+    if store is None:
+        return EXIT_USAGE
+    run = store.run(args.run_id)
+    if run is None:
+        print(f"mtp-canary resume: no run {args.run_id!r} in {args.runs_dir}", file=sys.stderr)
+        return EXIT_USAGE
+    if run["status"] == "done":
+        print(f"mtp-canary resume: run {args.run_id} already decided ({run['decision']})", file=sys.stderr)
+        return EXIT_USAGE
+    from rollout.config import ConfigError, parse_config
+    from rollout.controller import Controller
+    from rollout.store import controller_alive
+
+    if controller_alive(run.get("controller")):
+        print(f"mtp-canary resume: run {args.run_id} is still controlled by {run['controller']} (alive)", file=sys.stderr)
+        return EXIT_USAGE
+    try:
+        config = parse_config(json.loads(run["config_json"]))
+    except (ConfigError, ValueError) as exc:
+        print(f"mtp-canary resume: the stored config of {args.run_id} no longer validates: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    signal.signal(signal.SIGTERM, _raise_keyboard_interrupt)
+    controller = Controller(
+        config, runs_dir=Path(args.runs_dir), run_id=args.run_id, progress=lambda m: print(m, flush=True), resume=True
+    )
+    try:
+        result = controller.run()
+    except KeyboardInterrupt:
+        print("mtp-canary: interrupted; replicas, router and Locust stopped", file=sys.stderr)
+        return 130
+    decision = result.decision.value if result.decision and not result.error else "error"
+    print(f"mtp-canary: {decision} (exit {result.exit_code}) -> {result.run_dir / 'decision.json'}", flush=True)
+    return result.exit_code
+
+
 def _cmd_make_model(args: argparse.Namespace) -> int:
     from rollout.tiny_checkpoint import TinyCheckpointSpec, write_checkpoint
 
@@ -167,6 +204,8 @@ def _send_command(args: argparse.Namespace) -> int:
 
 def run_status(store, run_id: str) -> dict | None:
     """The status document of a run (what `status --json` prints), or None if unknown."""
+    from rollout.store import controller_alive
+
     run = store.run(run_id)
     if run is None:
         return None
@@ -220,6 +259,8 @@ def run_status(store, run_id: str) -> dict | None:
         "gates": gates,
         "latest_gates": list(latest.values()),
         "last_event": events[-1] if events else None,
+        "controller": run.get("controller"),
+        "controller_alive": controller_alive(run.get("controller")) if run["status"] == "running" else None,
     }
 
 
@@ -239,6 +280,8 @@ def _cmd_status(args: argparse.Namespace) -> int:
     state = doc["decision"] or doc["status"]
     print(f"run {doc['run_id']} ({doc['model']}): {state}{' (PAUSED)' if doc['paused'] else ''}")
     print(f"  phase {doc['phase'] or '-'}, step {step}, canary weight {weight}")
+    if doc["controller_alive"] is False:
+        print(f"  controller {doc['controller']} is gone: `mtp-canary resume {doc['run_id']}` continues the run")
     if doc["pending_commands"]:
         print(f"  pending commands: {', '.join(doc['pending_commands'])}")
     if doc["reason"]:
@@ -265,6 +308,14 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--max-windows", type=int, default=None, help="override experiment.max_windows")
     run.add_argument("--eval-limit", type=int, default=None, help="override accuracy.limit")
     run.set_defaults(func=_cmd_run)
+
+    resume = sub.add_parser(
+        "resume",
+        help="continue a run whose controller died: reattach to its actors (or restart them) and reach a decision",
+    )
+    resume.add_argument("run_id", metavar="RUN_ID")
+    resume.add_argument("--runs-dir", default="runs")
+    resume.set_defaults(func=_cmd_resume)
 
     make = sub.add_parser(
         "make-model",

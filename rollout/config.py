@@ -164,6 +164,12 @@ class RolloutConfig(BaseModel):
     webhook_url: str | None = Field(None, description="POST decision.json here when the run ends (never blocks it)")
     keep_fleet: bool = Field(False, description="leave the replicas running after the decision")
     startup_timeout_s: float = Field(900, gt=0, description="all replicas must be ready within this")
+    lease_s: float = Field(
+        300,
+        ge=10,
+        description="how long the run's replicas, router and load outlive a dead controller "
+        "(time to `mtp-canary resume RUN_ID`); then they stop themselves",
+    )
 
     @model_validator(mode="after")
     def _like_with_like(self) -> "RolloutConfig":

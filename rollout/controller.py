@@ -13,6 +13,15 @@
                 /metrics acceptance deltas
     decide      PROMOTE | ROLLBACK | INCONCLUSIVE; router to 100% of the winner
 
+Resume. The run's actors (replicas, router, the progressive load) are named in a
+Ray namespace of their own and detached, each on a lease the controller renews.
+If the controller dies (kill -9), `Controller(..., resume=True)` (`mtp-canary
+resume RUN_ID`) reattaches to them, or restarts what is gone, and continues: a run
+that had been judged continues its progressive phase after the last step_done; a
+run that died before its judgement reruns preflight, accuracy and experiment from
+their start (the interrupted attempt's rows are kept, marked superseded: the
+sequential tests need one unbroken sequence of looks).
+
 Every phase's result is committed to the store before the controller acts on
 it. Statistics live in `rollout.gates` (pure); this module only gathers data,
 calls the judges, and records what happened.
@@ -20,6 +29,7 @@ calls the judges, and records what happened.
 
 from __future__ import annotations
 
+import threading
 import time
 import uuid
 from collections.abc import Callable
@@ -54,13 +64,25 @@ from rollout.gates import (
     judge_divergence,
     judge_latency,
 )
-from rollout.store import RunStore
+from rollout.store import RunStore, controller_identity
 from rollout.tiny_checkpoint import TinyCheckpointSpec, ensure_checkpoint
 
 Progress = Callable[[str], None]
 
 EXIT_CODES = {Decision.PROMOTE: 0, Decision.ROLLBACK: 3, Decision.INCONCLUSIVE: 4}
 EXIT_INFRASTRUCTURE = 1
+
+JUDGED = "judged"  # phase_results: the run's state once accuracy + experiment were judged (resume point)
+PROGRESSIVE_OUTCOME = "progressive_outcome"  # phase_results: the progressive phase's verdict
+PRE_JUDGEMENT_PHASES = ("preflight", "accuracy", "experiment")
+ROUTER_NAME = "router"
+
+
+def run_namespace(run_id: str) -> str:
+    """The Ray namespace of one run's named actors."""
+    return f"mtp-canary-{run_id}"
+
+
 
 
 class InfrastructureError(RuntimeError):
@@ -123,8 +145,10 @@ class Controller:
         run_id: str | None = None,
         progress: Progress = print,
         cache_dir: Path = DEFAULT_CACHE,
+        resume: bool = False,
     ):
         self.cfg = config
+        self.resuming = resume
         self.runs_dir = Path(runs_dir)
         self.run_id = run_id or new_run_id(config.name)
         self.run_dir = self.runs_dir / self.run_id
@@ -137,6 +161,11 @@ class Controller:
         self.router_url: str | None = None
         self.canary_weight: float = 0.0
         self.engines: dict[str, Any] = {}
+        self.namespace = run_namespace(self.run_id)
+        self.attempt = 1
+        self._leased: dict[str, Any] = {}  # extra leased actors (the progressive load), by name
+        self._lease_stop = threading.Event()
+        self._lease_thread: threading.Thread | None = None
 
     # -- bookkeeping -----------------------------------------------------------
     def say(self, message: str) -> None:
@@ -157,25 +186,30 @@ class Controller:
     def run(self) -> RunResult:
         self.run_dir.mkdir(parents=True, exist_ok=True)
         cfg = self.cfg
-        model = cfg.baseline.engine.model if cfg.baseline.tiny_model is None else "tiny-mimo-v2"
-        self.store.create_run(self.run_id, cfg.name, model, cfg.model_dump(mode="json"))
-        self.event("prepare", "start", f"run {self.run_id}")
-        self.say(f"run {self.run_id}: {cfg.name} -> {self.run_dir}")
+        if self.resuming:
+            self._begin_resume()
+        else:
+            model = cfg.baseline.engine.model if cfg.baseline.tiny_model is None else "tiny-mimo-v2"
+            self.store.create_run(self.run_id, cfg.name, model, cfg.model_dump(mode="json"))
+            self.event("prepare", "start", f"run {self.run_id}")
+            self.say(f"run {self.run_id}: {cfg.name} -> {self.run_dir}")
+        self.store.update_run(self.run_id, status="running", controller=controller_identity())
         try:
             self._prepare()
             self._start_fleet_and_router()
+            self._start_lease_keeper()
             self._preflight()
-            if self.result.decision is None and cfg.accuracy.enabled:
-                self._accuracy()
-                if any(g.verdict == Verdict.FAIL for g in self.result.gates if is_enabled(g.name, cfg.gates)):
-                    # Fail fast: a canary that already lost accuracy gets no load.
-                    self.say("accuracy: a gate failed; skipping the experiment")
-                    self.event("accuracy", "abort", "accuracy gate failed")
-                    self._decide()
-            if self.result.decision is None and cfg.experiment.enabled:
-                self._experiment()
-            if self.result.decision is None:
-                self._decide()
+            judged = self.store.phase_results(self.run_id, JUDGED) if self.resuming else []
+            if judged:
+                if self.result.decision is None:  # a preflight that fails now stands
+                    self._restore_judged(judged[0])
+            else:
+                if self.resuming:
+                    moved = self.store.supersede(self.run_id, PRE_JUDGEMENT_PHASES, self.attempt - 1)
+                    self.say(f"resume: the run died before its judgement: accuracy and experiment run again "
+                             f"({moved} rows of attempt {self.attempt - 1} kept as superseded)")
+                self._judge_phases()
+                self._checkpoint_judged()
             # Traffic steps only for a canary the experiment judged fit (or when
             # the steps are the only judge configured).
             if cfg.progressive.enabled and (self.result.decision == Decision.PROMOTE or not self.result.gates):
@@ -193,9 +227,98 @@ class Controller:
             self.event("error", "interrupted", "SIGINT")
             raise
         finally:
+            self._stop_lease_keeper()
             self._teardown()
             self._record_end()
         return self.result
+
+    # -- resume ----------------------------------------------------------------
+    def _begin_resume(self) -> None:
+        row = self.store.run(self.run_id)
+        if row is None:
+            raise ValueError(f"no run {self.run_id!r} in {self.store.path}")
+        events = self.store.events(self.run_id)
+        # the first controller was attempt 1; every resume adds one
+        self.attempt = 2 + sum(1 for e in events if e["event"] == "controller_resume")
+        self.result.started_at = row["created_at"]
+        self.result.timeline = [dict(e) for e in events]
+        self.canary_weight = row["canary_weight"] or 0.0
+        self.say(f"run {self.run_id}: resuming (attempt {self.attempt}) after phase {row['phase']} -> {self.run_dir}")
+        self.event(row["phase"] or "prepare", "controller_resume", f"attempt {self.attempt} by {controller_identity()}")
+
+    def _checkpoint_judged(self) -> None:
+        """The judgement, committed before the controller acts on it (the resume point)."""
+        r = self.result
+        self.store.put_phase_result(
+            self.run_id,
+            JUDGED,
+            1,
+            {
+                "decision": r.decision.value if r.decision else None,
+                "reason": r.reason,
+                "gates": [g.model_dump(mode="json") for g in r.gates],
+                "preflight": r.preflight,
+                "accuracy": r.accuracy,
+                "experiment": r.experiment,
+                "spec_decode": r.spec_decode,
+                "engine_warnings": r.engine_warnings,
+            },
+        )
+
+    def _restore_judged(self, judged: dict[str, Any]) -> None:
+        r = self.result
+        r.decision = Decision(judged["decision"]) if judged["decision"] else None
+        r.reason = judged["reason"]
+        r.gates = [GateResult.model_validate(g) for g in judged["gates"]]
+        r.accuracy, r.experiment = judged["accuracy"], judged["experiment"]
+        r.spec_decode, r.engine_warnings = judged["spec_decode"], judged["engine_warnings"]
+        self.say(f"resume: judged before the crash: {r.decision.value if r.decision else 'none'} ({r.reason})")
+
+    # -- leases ------------------------------------------------------------------
+    def _leased_actors(self) -> list[Any]:
+        actors = [h.actor for h in self.fleet.replicas] if self.fleet is not None else []
+        if self.router is not None:
+            actors.append(self.router)
+        return actors + list(self._leased.values())
+
+    def _renew_leases(self) -> None:
+        for actor in self._leased_actors():
+            try:
+                actor.renew_lease.remote(self.cfg.lease_s)
+            except Exception:  # a dead actor: the health checks say so
+                pass
+
+    def _start_lease_keeper(self) -> None:
+        """Renew every actor's lease a few times per lease while this controller lives."""
+        self._renew_leases()
+        interval = max(1.0, self.cfg.lease_s / 6)
+
+        def keep() -> None:
+            while not self._lease_stop.wait(interval):
+                self._renew_leases()
+
+        self._lease_thread = threading.Thread(target=keep, name="lease-keeper", daemon=True)
+        self._lease_thread.start()
+
+    def _stop_lease_keeper(self) -> None:
+        self._lease_stop.set()
+        if self._lease_thread is not None:
+            self._lease_thread.join(5)
+
+    def _judge_phases(self) -> None:
+        """accuracy, then experiment, then the decision they support (preflight has run)."""
+        cfg = self.cfg
+        if self.result.decision is None and cfg.accuracy.enabled:
+            self._accuracy()
+            if any(g.verdict == Verdict.FAIL for g in self.result.gates if is_enabled(g.name, cfg.gates)):
+                # Fail fast: a canary that already lost accuracy gets no load.
+                self.say("accuracy: a gate failed; skipping the experiment")
+                self.event("accuracy", "abort", "accuracy gate failed")
+                self._decide()
+        if self.result.decision is None and cfg.experiment.enabled:
+            self._experiment()
+        if self.result.decision is None:
+            self._decide()
 
     def _prepare(self) -> None:
         cfg = self.cfg
@@ -216,28 +339,69 @@ class Controller:
 
     def _start_fleet_and_router(self) -> None:
         cfg = self.cfg
-        self.say(connect(cfg.ray.address))
+        self.say(connect(cfg.ray.address, namespace=self.namespace))
         t0 = time.monotonic()
         arms = [
             ArmSpec(name=arm, engine=engine, replicas=self.result.arms[arm]["replicas"])
             for arm, engine in self.engines.items()
         ]
-        self.event("fleet", "start", ", ".join(f"{a.name} x{a.replicas}" for a in arms))
-        self.fleet = Fleet(arms, log_dir=str(self.run_dir / "logs"), progress=self.say, bind_host=cfg.ray.bind_host)
-        urls = self.fleet.start(timeout_s=cfg.startup_timeout_s)
+        # Named and detached in the run's namespace: a resumed controller finds them.
+        self.fleet = Fleet(
+            arms,
+            log_dir=str(self.run_dir / "logs"),
+            progress=self.say,
+            bind_host=cfg.ray.bind_host,
+            actor_name_prefix="replica-",
+            namespace=self.namespace,
+            detached=True,
+        )
+        previous_router = self._find_actor(ROUTER_NAME) if self.resuming else None
+        if self.resuming and self.fleet.attach():
+            urls = self.fleet.urls()
+            self.event("fleet", "reattached", f"{len(self.fleet.replicas)} replicas")
+        else:
+            if self.resuming:
+                self.fleet.remove_leftovers()
+            self.event("fleet", "start", ", ".join(f"{a.name} x{a.replicas}" for a in arms))
+            urls = self.fleet.start(timeout_s=cfg.startup_timeout_s)
+            self.event("fleet", "ready", f"{sum(len(u) for u in urls.values())} replicas")
         self.result.timings["fleet_start_s"] = time.monotonic() - t0
-        self.event("fleet", "ready", f"{sum(len(u) for u in urls.values())} replicas")
 
+        if previous_router is not None and self._reattach_router(previous_router, urls):
+            return
         # The router runs on this (the driver's) node: Locust, started here, reaches it locally.
         here = NodeAffinitySchedulingStrategy(node_id=ray.get_runtime_context().get_node_id(), soft=False)
-        self.router = Router.options(scheduling_strategy=here).remote(
-            initial_weights={BASELINE: 100.0, CANARY: 0.0}, seed=0
-        )
+        self.router = Router.options(
+            scheduling_strategy=here, name=ROUTER_NAME, namespace=self.namespace, lifetime="detached"
+        ).remote(initial_weights={BASELINE: 100.0, CANARY: 0.0}, seed=0)
         self.router_url = ray.get(self.router.start.remote(host=cfg.ray.bind_host))
         ray.get(self.router.set_arms.remote(urls))
         self.canary_weight = 0.0
+        self.store.update_run(self.run_id, canary_weight=0.0)
         self.say(f"router: {self.router_url} (canary weight 0% until judged)")
         self.event("router", "ready", self.router_url)
+
+    def _find_actor(self, name: str) -> Any:
+        try:
+            return ray.get_actor(name, namespace=self.namespace)
+        except ValueError:
+            return None
+
+    def _reattach_router(self, router: Any, urls: dict[str, list[str]]) -> bool:
+        """Adopt the router an earlier attempt left (it kept serving at its weights)."""
+        try:
+            state = ray.get(router.get_state.remote(), timeout=10)
+        except ray.exceptions.RayError:
+            return False
+        if not state["url"]:
+            _kill_quietly(router)
+            return False
+        self.router, self.router_url = router, state["url"]
+        ray.get(self.router.set_arms.remote(urls))
+        self.canary_weight = float(state["weights"].get(CANARY, 0.0))
+        self.say(f"router: reattached at {self.router_url} (canary weight {self.canary_weight:g}%)")
+        self.event("router", "reattached", self.router_url)
+        return True
 
     # -- preflight -------------------------------------------------------------
     def _preflight(self) -> None:
@@ -531,6 +695,23 @@ class Controller:
         from rollout.progressive import ProgressiveContext, run_progressive
 
         prog, exp = self.cfg.progressive, self.cfg.experiment
+        if self.resuming:
+            done = self.store.phase_results(self.run_id, PROGRESSIVE_OUTCOME)
+            if done:  # the phase had ended before the crash: its verdict stands
+                self.result.progressive = done[0]["summary"]
+                self._apply_progressive(
+                    Decision(done[0]["decision"]), done[0]["reason"], [GateResult.model_validate(g) for g in done[0]["guards"]]
+                )
+                return
+        first_step = sum(1 for e in self.store.events(self.run_id) if e["phase"] == "progressive" and e["event"] == "step_done")
+        # every step done but no verdict committed (died in between): the last step bakes again
+        first_step = min(first_step, len(prog.steps) - 1)
+        previous = self._previous_loads() if self.resuming else []
+        if len(previous) > 1:
+            for actor in previous[:-1]:  # older attempts' loads: their lease will end them; end them now
+                _kill_quietly(actor)
+        if first_step:
+            self.say(f"progressive: resuming after step {first_step} of {len(prog.steps)}")
         self.say(
             "progressive: steps "
             + " -> ".join(f"{s.canary_weight:g}%" + (" (pause)" if s.pause else "") for s in prog.steps)
@@ -561,16 +742,53 @@ class Controller:
             store=self.store,
             speculative_canary=self.engines[CANARY].num_speculative_tokens > 0,
             n_workers=exp.workers,
+            first_step=first_step,
+            start_load=self._start_load,
+            previous_load=previous[-1] if previous else None,
         )
         outcome = run_progressive(context)
         self.result.progressive = {
             "steps_completed": outcome.steps_completed,
             "observed_split": outcome.observed_split,
+            "requests_received": outcome.requests_received,
+            "records_stored": outcome.records_stored,
+            "attempt": self.attempt,
             "duration_s": time.monotonic() - t0,
         }
-        self.result.gates += outcome.guards
-        self.result.decision = outcome.decision
-        self.result.reason = outcome.reason if outcome.decision != Decision.PROMOTE else self.result.reason
+        self.store.put_phase_result(
+            self.run_id,
+            PROGRESSIVE_OUTCOME,
+            1,
+            {
+                "decision": outcome.decision.value,
+                "reason": outcome.reason,
+                "guards": [g.model_dump(mode="json") for g in outcome.guards],
+                "summary": self.result.progressive,
+            },
+        )
+        self._apply_progressive(outcome.decision, outcome.reason, outcome.guards)
+
+    def _apply_progressive(self, decision: Decision, reason: str, guards: list[GateResult]) -> None:
+        judged_promote = self.result.decision == Decision.PROMOTE
+        self.result.gates += guards
+        self.result.decision = decision
+        # a PROMOTE keeps the experiment's reasons when it had them; otherwise the steps are the reason
+        if decision != Decision.PROMOTE or not judged_promote:
+            self.result.reason = reason
+
+    def _start_load(self, spec) -> Any:
+        """The progressive load's LoadRunner: named per attempt, detached, leased."""
+        from rollout.load_runner import start_load_runner
+
+        name = f"load-attempt-{self.attempt}"
+        actor = start_load_runner(spec, name=name, namespace=self.namespace)
+        self._leased[name] = actor
+        actor.renew_lease.remote(self.cfg.lease_s)
+        return actor
+
+    def _previous_loads(self) -> list[Any]:
+        found = [self._find_actor(f"load-attempt-{n}") for n in range(1, self.attempt)]
+        return [actor for actor in found if actor is not None]
 
     def _replicas_alive(self) -> dict[str, bool]:
         """Replica name -> alive; a replica that does not answer in time is left out (no evidence)."""
@@ -597,14 +815,22 @@ class Controller:
 
     def _teardown(self) -> None:
         if self.cfg.keep_fleet and self.result.error is None:
-            self.say(f"keep_fleet: replicas and router left running ({self.router_url})")
+            for actor in self._leased_actors():
+                try:
+                    ray.get(actor.release_lease.remote(), timeout=10)
+                except Exception:
+                    pass
+            self.say(f"keep_fleet: replicas and router left running ({self.router_url}, Ray namespace {self.namespace})")
             return
+        for name, actor in list(self._leased.items()):
+            _kill_quietly(actor)
+            self._leased.pop(name)
         if self.router is not None:
             try:
                 ray.get(self.router.stop.remote(), timeout=10)
-                ray.kill(self.router)
             except Exception:
                 pass
+            _kill_quietly(self.router)
             self.router = None
         if self.fleet is not None:
             self.fleet.teardown()
@@ -648,6 +874,13 @@ class Controller:
         model = self.store.run(self.run_id)["model"]
         self.store.mark_stable(model, self.run_id, self.result.arms[CANARY]["engine"])
         self.event("decide", "stable", f"{path.name} written; stable config for {model}")
+
+
+def _kill_quietly(actor: Any) -> None:
+    try:
+        ray.kill(actor)
+    except Exception:  # already gone
+        pass
 
 
 # -- pure helpers --------------------------------------------------------------

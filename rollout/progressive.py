@@ -43,7 +43,6 @@ from __future__ import annotations
 
 import json
 import math
-import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -55,7 +54,7 @@ import ray
 from cluster.metrics import MetricsSnapshot, SpecDecodeStats
 from loadtests.options import TrafficOptions
 from loadtests.records import RequestRecord
-from loadtests.swarm import Swarm, SwarmError, SwarmSpec
+from loadtests.swarm import SwarmError, SwarmSpec
 from rollout.config import BASELINE, CANARY, ProgressiveConfig, RolloutStep
 from rollout.gates import Decision, GateResult, Verdict
 from rollout.guards import enabled_guard_names, judge_guard_window
@@ -64,6 +63,7 @@ from rollout.store import RunStore
 __all__ = ["ProgressiveContext", "ProgressiveOutcome", "RecordsTail", "run_progressive", "PHASE", "STEP_PHASE"]
 
 PHASE = "progressive"  # phase name of events, window results and request samples
+ROUTER_LEDGER = "progressive_router"  # phase_results look 1: the router's counts when the phase first began
 STEP_PHASE = "progressive_step"  # phase_results of each step's pooled verdicts (look = step number, 1-based)
 
 TICK_S = 0.25  # the loop's heartbeat: commands, health, records
@@ -97,6 +97,10 @@ class ProgressiveContext:
     speculative_canary: bool
     first_step: int = 0  # resume: index of the first step to run (earlier ones are done)
     n_workers: int = 1  # Locust worker processes (0: one local process)
+    # the LoadRunner actor for a swarm spec (the controller names it per run; detached)
+    start_load: Callable[[SwarmSpec], Any] | None = None  # default: an unnamed LoadRunner on this node
+    # resume: an earlier attempt's LoadRunner still running (stopped gracefully, its records stored)
+    previous_load: Any = None
 
 
 @dataclass
@@ -110,6 +114,9 @@ class ProgressiveOutcome:
     records: int = 0  # request records stored for this phase
     rolled_back_at: float | None = None  # wall time the canary weight went to 0 (abort only)
     load_error: str | None = None  # the swarm's complaint at the end (records incomplete), if any
+    # requests the router received during the phase (all attempts; None if the router was replaced)
+    requests_received: int | None = None
+    records_stored: int | None = None  # request records of the phase in the store (all attempts)
 
 
 def run_progressive(ctx: ProgressiveContext) -> ProgressiveOutcome:
@@ -156,45 +163,56 @@ def ended_at(record: RequestRecord) -> float:
 
 # -- the load -------------------------------------------------------------------
 class _Load:
-    """One Swarm in a background thread."""
+    """The phase's swarm, run by a LoadRunner actor (rollout.load_runner): it outlives a dead controller."""
 
-    def __init__(self, spec: SwarmSpec) -> None:
-        self.swarm = Swarm(spec)
-        self.error: BaseException | None = None
-        self.result = None
-        self._thread = threading.Thread(target=self._run, name="progressive-load", daemon=True)
-
-    def _run(self) -> None:
-        try:
-            self.result = self.swarm.run()
-        except BaseException as exc:  # surfaced by check() / finish()
-            self.error = exc
-
-    def start(self) -> None:
-        self._thread.start()
+    def __init__(self, actor: Any) -> None:
+        self.actor = actor
+        self._next_check = 0.0
 
     def check(self) -> None:
-        """Raise if the load ended before the phase asked it to."""
-        if not self._thread.is_alive():
-            raise SwarmError(f"the progressive load stopped early: {self.error or 'the swarm ended'}")
+        """Raise if the load ended before the phase asked it to (polled at most once a second)."""
+        now = time.monotonic()
+        if now < self._next_check:
+            return
+        self._next_check = now + 1.0
+        try:
+            state = ray.get(self.actor.state.remote(), timeout=10)
+        except ray.exceptions.GetTimeoutError:
+            return  # a busy actor is no evidence of a dead load
+        except ray.exceptions.RayError as exc:
+            raise SwarmError(f"the progressive load's actor died: {type(exc).__name__}") from None
+        if not state["running"]:
+            raise SwarmError(f"the progressive load stopped early: {state['error'] or 'the swarm ended'}")
 
     def kill(self) -> None:
-        self.swarm.stop()
         try:
-            self.swarm.kill()
-        except SwarmError:
+            ray.get(self.actor.kill.remote(), timeout=30)
+        except ray.exceptions.RayError:
             pass
-        self._thread.join(15)
+        _kill_actor(self.actor)
 
     def finish(self, timeout_s: float) -> str | None:
-        """Stop gracefully; the swarm's complaint (or None). Kills it if it does not end in time."""
-        self.swarm.stop()
-        self._thread.join(timeout_s)
-        if self._thread.is_alive():
-            self.swarm.kill()
-            self._thread.join(15)
-            return "the load did not stop in time and was killed"
-        return f"{type(self.error).__name__}: {self.error}" if self.error else None
+        """Stop gracefully; the swarm's complaint (or None). Killed if it does not end in time."""
+        try:
+            state = ray.get(self.actor.finish.remote(timeout_s), timeout=timeout_s + 30)
+        except ray.exceptions.RayError as exc:
+            _kill_actor(self.actor)
+            return f"the load's actor did not answer: {type(exc).__name__}"
+        _kill_actor(self.actor)
+        return state["error"]
+
+
+def _kill_actor(actor: Any) -> None:
+    try:
+        ray.kill(actor)
+    except Exception:  # already gone
+        pass
+
+
+def _default_start_load(spec: SwarmSpec) -> Any:
+    from rollout.load_runner import start_load_runner
+
+    return start_load_runner(spec)
 
 
 # -- the phase ------------------------------------------------------------------
@@ -319,12 +337,36 @@ class _Phase:
             if arm == CANARY
         )
 
-    def _router_counts(self) -> dict[str, int]:
+    def _router_counts(self, with_rejected: bool = False) -> dict[str, int]:
         try:
             state = ray.get(self.ctx.router.get_state.remote(), timeout=10)
         except Exception:
             return {}
-        return {arm: int(c["routed"]) for arm, c in state["arm_counts"].items()}
+        return {
+            arm: int(c["routed"]) + (int(c["rejected"]) if with_rejected else 0)
+            for arm, c in state["arm_counts"].items()
+        }
+
+    def _router_id(self) -> str:
+        return self.ctx.router._actor_id.hex()
+
+    def _open_ledger(self) -> None:
+        """The router's counts when the phase first began (kept across resumed attempts)."""
+        if self.ctx.store.phase_results(self.ctx.run_id, ROUTER_LEDGER):
+            return
+        counts = self._router_counts(with_rejected=True)
+        if counts:
+            self.ctx.store.put_phase_result(self.ctx.run_id, ROUTER_LEDGER, 1, {"router": self._router_id(), "counts": counts})
+
+    def _requests_received(self) -> int | None:
+        """Requests the router received since the phase began: every one must have a stored record."""
+        ledger = self.ctx.store.phase_results(self.ctx.run_id, ROUTER_LEDGER)
+        if not ledger or ledger[0]["router"] != self._router_id():
+            return None  # the router was replaced (its counts restarted at 0)
+        now = self._router_counts(with_rejected=True)
+        if not now:
+            return None
+        return sum(now.values()) - sum(ledger[0]["counts"].values())
 
     def _judge(
         self, records: list[RequestRecord], spec_delta, look: int, looks: int, judged: bool = False
@@ -504,6 +546,8 @@ class _Phase:
             raise _Abort(reason, failed)
         if step.pause:
             self._pause(i, step)
+        # committed before the next step begins: a resumed run starts after the last step_done
+        ctx.event("step_done", f"step {i + 1}/{n_steps} done")
         counts_after = self._router_counts()
         sent_in_step = [r for r in step_records if r.sent_at >= step_started]
         self.split.append(_split(i, step.canary_weight, counts_before, counts_after, sent_in_step))
@@ -548,6 +592,11 @@ class _Phase:
         ctx, cfg = self.ctx, self.cfg
         if not cfg.steps[ctx.first_step :]:
             raise ValueError("no progressive steps to run")
+        if ctx.previous_load is not None:
+            self.say("stopping the load an earlier attempt left running (its records are kept)")
+            error = _Load(ctx.previous_load).finish(SWARM_STOP_TIMEOUT_S + 90)
+            if error:
+                self.say(f"the earlier attempt's load ended with: {error}")
         self._recover_leftovers()
         spec = self._swarm_spec()
         self.tail = RecordsTail(spec.records_path)
@@ -555,8 +604,8 @@ class _Phase:
                   + " -> ".join(f"{s.canary_weight:g}%" for s in cfg.steps[ctx.first_step :])
                   + f"; guard windows of {self.window_s:g} s")
         self.metrics_before = self._scrape()
-        self.load = _Load(spec)
-        self.load.start()
+        self._open_ledger()
+        self.load = _Load((ctx.start_load or _default_start_load)(spec))
         outcome: ProgressiveOutcome
         try:
             self._wait_for_first_records()
@@ -584,6 +633,11 @@ class _Phase:
         self._drain()
         outcome.load_error = load_error
         outcome.records = self.stored
+        outcome.records_stored = self.ctx.store.count_request_samples(self.ctx.run_id, PHASE)
+        outcome.requests_received = self._requests_received()
+        if outcome.requests_received is not None and outcome.requests_received != outcome.records_stored:
+            self.say(f"WARNING: the router received {outcome.requests_received} requests in this phase, "
+                     f"the store holds {outcome.records_stored} records")
         if load_error:
             self.say(f"load generator at the end: {load_error}")
         ctx.event("done", f"{outcome.decision.value}: {outcome.reason}")

@@ -7,6 +7,8 @@ run can be inspected while it goes and resumed after the controller dies.
 from __future__ import annotations
 
 import json
+import os
+import socket
 import sqlite3
 import time
 from collections.abc import Iterable
@@ -84,9 +86,34 @@ CREATE TABLE IF NOT EXISTS stable (
 ADDED_COLUMNS = (
     ("runs", "step", "INTEGER"),  # progressive phase: index of the current step (0-based)
     ("runs", "canary_weight", "REAL"),  # the canary's traffic weight (percent) as last set
+    ("runs", "controller", "TEXT"),  # host:pid of the process controlling the run (resume checks it is gone)
 )
 
 COMMANDS = ("promote", "abort")
+
+
+def controller_identity() -> str:
+    return f"{socket.gethostname()}:{os.getpid()}"
+
+
+def controller_alive(identity: str | None) -> bool | None:
+    """Whether the process named by `controller_identity()` still runs (None: another host, cannot tell)."""
+    if not identity or ":" not in identity:
+        return None
+    host, _, pid = identity.rpartition(":")
+    if host != socket.gethostname():
+        return None
+    try:
+        os.kill(int(pid), 0)
+    except ProcessLookupError:
+        return False
+    except (PermissionError, ValueError):
+        return True
+    try:  # a zombie (killed, not yet reaped by its parent) controls nothing
+        with open(f"/proc/{int(pid)}/stat") as f:
+            return f.read().rsplit(")", 1)[1].split()[0] != "Z"
+    except OSError:
+        return True
 
 
 class RunStore:
@@ -137,7 +164,7 @@ class RunStore:
             raise ValueError(f"run id {run_id!r} already exists in {self.path}") from None
 
     def update_run(self, run_id: str, **fields: Any) -> None:
-        allowed = {"status", "phase", "decision", "exit_code", "reason", "step", "canary_weight"}
+        allowed = {"status", "phase", "decision", "exit_code", "reason", "step", "canary_weight", "controller"}
         unknown = set(fields) - allowed
         if unknown:
             raise ValueError(f"unknown run fields {sorted(unknown)}")
@@ -223,6 +250,33 @@ class RunStore:
             "INSERT OR REPLACE INTO eval_outcomes (run_id, item_id, arm, correct, outcome_json) VALUES (?, ?, ?, ?, ?)",
             rows,
         )
+
+    def supersede(self, run_id: str, phases: Iterable[str], attempt: int) -> int:
+        """Mark an interrupted attempt's data of `phases` as superseded (kept, never judged again).
+
+        Phases become `PHASE@attempt-N`, eval items `ITEM@attempt-N`, so the rerun of
+        those phases starts clean while no committed row is lost. Returns rows moved.
+        """
+        phases = tuple(phases)
+        tag = f"@attempt-{attempt}"
+        marks = ", ".join("?" for _ in phases)
+        moved = 0
+        with self._db:
+            self._db.execute("BEGIN IMMEDIATE")
+            for table in ("request_samples", "phase_results"):
+                cursor = self._db.execute(
+                    f"UPDATE {table} SET phase = phase || ? WHERE run_id = ? AND phase IN ({marks})",
+                    (tag, run_id, *phases),
+                )
+                moved += cursor.rowcount
+            if "accuracy" in phases:
+                cursor = self._db.execute(
+                    "UPDATE eval_outcomes SET item_id = item_id || ? WHERE run_id = ? AND item_id NOT LIKE '%@attempt-%'",
+                    (tag, run_id),
+                )
+                moved += cursor.rowcount
+            self._db.execute("COMMIT")
+        return moved
 
     def count_eval_outcomes(self, run_id: str) -> int:
         row = self._db.execute("SELECT COUNT(*) FROM eval_outcomes WHERE run_id = ?", (run_id,)).fetchone()
