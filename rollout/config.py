@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import Any, Literal
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from cluster.engine_spec import EngineSpec
 from rollout.evals import EvalSpec
@@ -65,6 +65,27 @@ class AccuracyConfig(EvalSpec):
     batch_size: int = Field(16, ge=1, description="items per interim look (early stop on a clear regression)")
 
 
+WORKER_PLACEMENTS = ("local", "spread", "pack", "node", "label", "resource")
+
+
+class SweepConfig(BaseModel):
+    """Speedup vs load: after the judged windows, both arms at several loads (informational, no gate)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    levels: list[int] = Field(
+        default_factory=list, description="closed-loop streams per replica, in order, e.g. [1, 4, 16]; empty: no sweep"
+    )
+    step_s: int = Field(30, ge=5, description="seconds at each level")
+
+    @field_validator("levels")
+    @classmethod
+    def _positive(cls, levels: list[int]) -> list[int]:
+        if any(level < 1 for level in levels):
+            raise ValueError("sweep levels are streams per replica: each must be >= 1")
+        return levels
+
+
 class ExperimentConfig(BaseModel):
     """Locust load through the router at equal offered load per replica."""
 
@@ -84,14 +105,32 @@ class ExperimentConfig(BaseModel):
     max_tokens: int = Field(64, ge=2)
     endpoint: str = Field("completions", description="completions or chat")
     workers: int = Field(1, ge=0, description="Locust worker processes (0: one local process)")
+    worker_placement: str = Field(
+        "spread",
+        description="where Locust workers run: 'spread' (each under a Ray actor, spread over the nodes), 'pack', "
+        "'node:<id or ip>', 'label:key=value', 'resource:NAME[=N]', or 'local' (child processes of the controller)",
+    )
+    sweep: SweepConfig = Field(default_factory=SweepConfig)
     web_ui: bool = Field(False, description="serve Locust's web UI while the experiment runs")
     web_port: int = Field(8089, ge=1, le=65535)
     seed: int = 0
+
+    @field_validator("worker_placement")
+    @classmethod
+    def _placement(cls, placement: str) -> str:
+        kind, sep, value = placement.partition(":")
+        if kind not in WORKER_PLACEMENTS or (kind in ("node", "label", "resource")) != bool(sep and value):
+            raise ValueError(
+                f"unknown placement {placement!r}: local, spread, pack, node:<id or ip>, label:key=value or resource:NAME[=N]"
+            )
+        return placement
 
     @model_validator(mode="after")
     def _looks(self) -> "ExperimentConfig":
         if self.min_windows > self.max_windows:
             raise ValueError("min_windows must be <= max_windows")
+        if self.worker_placement != "local" and self.workers == 0:
+            raise ValueError("workers: 0 (one local Locust process) needs worker_placement: local")
         return self
 
 

@@ -305,18 +305,32 @@ class Controller:
         if self._lease_thread is not None:
             self._lease_thread.join(5)
 
+    def _aborted(self, phase: str) -> bool:
+        """`mtp-canary abort RUN_ID` arrived: the decision is ROLLBACK (the canary never got traffic weight)."""
+        if self.store.take_command(self.run_id, accept=("abort",)) is None:
+            return False
+        self.result.decision = Decision.ROLLBACK
+        self.result.reason = f"aborted by command during {phase}"
+        self.say(f"{phase}: abort command received: rolling back")
+        self.event(phase, "abort", "abort command")
+        return True
+
     def _judge_phases(self) -> None:
         """accuracy, then experiment, then the decision they support (preflight has run)."""
         cfg = self.cfg
         if self.result.decision is None and cfg.accuracy.enabled:
             self._accuracy()
-            if any(g.verdict == Verdict.FAIL for g in self.result.gates if is_enabled(g.name, cfg.gates)):
+            if self.result.decision is None and any(
+                g.verdict == Verdict.FAIL for g in self.result.gates if is_enabled(g.name, cfg.gates)
+            ):
                 # Fail fast: a canary that already lost accuracy gets no load.
                 self.say("accuracy: a gate failed; skipping the experiment")
                 self.event("accuracy", "abort", "accuracy gate failed")
                 self._decide()
         if self.result.decision is None and cfg.experiment.enabled:
             self._experiment()
+            if cfg.experiment.sweep.levels and self.result.decision is None:
+                self._sweep()
         if self.result.decision is None:
             self._decide()
 
@@ -497,6 +511,8 @@ class Controller:
                 + " ".join(f"{arm} {acc[arm]:.3f}" for arm in arms)
                 + f" | {accuracy_gate.name}: {accuracy_gate.verdict.value}, {divergence_gate.name}: {divergence_gate.verdict.value}"
             )
+            if not last and self._aborted("accuracy"):
+                break
             if not last and (accuracy_gate.verdict == Verdict.FAIL or divergence_gate.verdict == Verdict.FAIL):
                 self.say("accuracy: clear regression, stopping early")
                 self.event("accuracy", "early_stop", f"after {done} items")
@@ -614,6 +630,8 @@ class Controller:
                 + ", ".join(f"{g.name}: {g.verdict.value}" for g in window_gates)
             )
             self.event("experiment", "window", f"window {window}: " + ", ".join(f"{k}={v}" for k, v in summary["verdicts"].items()))
+            if self._aborted("experiment"):
+                break
             if window >= exp.min_windows and is_final(window_gates, gates_cfg):
                 if window < exp.max_windows:
                     self.say(f"experiment: verdict reached after window {window}, stopping early")
@@ -655,16 +673,7 @@ class Controller:
             ignore_eos=True,
         )
         users = exp.users_per_replica * 2 * replicas
-        spec = SwarmSpec(
-            host=self.router_url,
-            traffic=traffic,
-            users=max(users, exp.workers, 1),
-            run_time_s=exp.window_s,
-            n_workers=exp.workers,
-            web_ui=exp.web_ui,
-            web_port=exp.web_port,
-            log_dir=window_dir,
-        )
+        spec = self._swarm_spec(traffic, users, exp.window_s, window_dir)
         last = [0.0]
 
         def on_progress(p: SwarmProgress) -> None:
@@ -672,7 +681,80 @@ class Controller:
                 last[0] = p.elapsed_s
                 self.say(f"experiment: window {window} {p.phase} {p.elapsed_s:.0f}/{exp.window_s} s, {p.requests_done} requests done, {p.requests_failed} failed")
 
-        return Swarm(spec, on_progress=on_progress, progress_interval_s=1.0).run()
+        return self._run_swarm(spec, on_progress)
+
+    def _run_swarm(self, spec: SwarmSpec, on_progress=None):
+        """One load test: workers under Ray actors on the cluster (worker_placement), or local processes."""
+        placement = self.cfg.experiment.worker_placement
+        if placement == "local" or spec.n_workers == 0:
+            return Swarm(spec, on_progress=on_progress, progress_interval_s=1.0).run()
+        from rollout.distributed_load import run_distributed_swarm
+
+        return run_distributed_swarm(spec, placement, on_progress)
+
+    def _swarm_spec(self, traffic: TrafficOptions, users: int, run_time_s: int | None, log_dir: Path) -> SwarmSpec:
+        exp = self.cfg.experiment
+        return SwarmSpec(
+            host=self.router_url,
+            traffic=traffic,
+            users=max(users, exp.workers, 1),
+            run_time_s=run_time_s,
+            n_workers=exp.workers,
+            web_ui=exp.web_ui,
+            web_port=exp.web_port,
+            log_dir=log_dir,
+            # workers on other nodes reach the master on the cluster's interface
+            master_bind_host=self.cfg.ray.bind_host if exp.worker_placement != "local" else "127.0.0.1",
+        )
+
+    # -- speedup vs load ---------------------------------------------------------
+    def _sweep(self) -> None:
+        """Both arms at each level of experiment.sweep (same prompts, pinned alternately); no gate."""
+        from rollout.load_sweep import summarize_sweep
+
+        exp = self.cfg.experiment
+        sweep, replicas = exp.sweep, self.cfg.canary.replicas
+        levels = ",".join(str(level) for level in sweep.levels)
+        self.say(f"sweep: speedup vs load at {levels} streams per replica, {sweep.step_s} s each (no gate)")
+        self.event("sweep", "start", f"levels {levels}")
+        out = self.run_dir / "sweep"
+        traffic = TrafficOptions(
+            dataset=exp.dataset,
+            dataset_path=exp.dataset_path,
+            input_tokens=exp.input_tokens,
+            max_tokens=exp.max_tokens,
+            endpoint=exp.endpoint,
+            model=self.engines[BASELINE].served_model_name,
+            records=str(out / "records.jsonl"),
+            tag="sweep",
+            seed=exp.seed + 500,
+            arm_pin=f"{BASELINE},{CANARY}",
+            ignore_eos=True,
+            steps=levels,
+            step_s=sweep.step_s,
+            level_users=2 * replicas,  # each user alternates arms: level streams per replica
+        )
+        spec = self._swarm_spec(traffic, max(sweep.levels) * 2 * replicas, None, out)
+        last = [0.0]
+
+        def on_progress(p: SwarmProgress) -> None:
+            if p.elapsed_s - last[0] >= 15:
+                last[0] = p.elapsed_s
+                self.say(f"sweep: {p.phase} {p.elapsed_s:.0f}/{spec.duration_s:.0f} s, {p.requests_done} requests done")
+
+        result = self._run_swarm(spec, on_progress)
+        records = read_records(result.records_path)
+        self.store.add_request_samples(self.run_id, "sweep", 1, records)
+        rows = summarize_sweep(records, (BASELINE, CANARY), sweep.step_s)
+        self.store.put_phase_result(self.run_id, "sweep", 1, rows)
+        self.result.experiment["sweep"] = rows
+        for row in rows:
+            b, c = row["arms"][BASELINE], row["arms"][CANARY]
+            self.say(
+                f"sweep: {row['level']:g} streams/replica | TPOT p50 ms baseline {b['tpot_p50_ms']} canary {c['tpot_p50_ms']}"
+                f" (ratio {row['tpot_ratio']}) | tokens/s {b['output_tokens_per_s']} vs {c['output_tokens_per_s']}"
+            )
+        self.event("sweep", "done", ", ".join(f"{r['level']:g}: {r['tpot_ratio']}" for r in rows))
 
     # -- decision --------------------------------------------------------------
     def _decide(self) -> None:
@@ -745,6 +827,7 @@ class Controller:
             first_step=first_step,
             start_load=self._start_load,
             previous_load=previous[-1] if previous else None,
+            master_bind_host=self.cfg.ray.bind_host if exp.worker_placement != "local" else "127.0.0.1",
         )
         outcome = run_progressive(context)
         self.result.progressive = {
@@ -781,7 +864,7 @@ class Controller:
         from rollout.load_runner import start_load_runner
 
         name = f"load-attempt-{self.attempt}"
-        actor = start_load_runner(spec, name=name, namespace=self.namespace)
+        actor = start_load_runner(spec, name=name, namespace=self.namespace, placement=self.cfg.experiment.worker_placement)
         self._leased[name] = actor
         actor.renew_lease.remote(self.cfg.lease_s)
         return actor

@@ -32,9 +32,15 @@ __all__ = ["LoadRunner", "LoadRunnerServer", "start_load_runner"]
 class LoadRunnerServer:
     """The actor's logic; `LoadRunner` is the Ray actor class built from it."""
 
-    def __init__(self, spec: dict[str, Any]) -> None:
+    def __init__(self, spec: dict[str, Any], placement: str = "local") -> None:
         self.spec = SwarmSpec.model_validate(spec)
-        self._swarm = Swarm(self.spec)
+        workers = None
+        if placement != "local" and self.spec.n_workers:
+            # each Locust worker under an actor of its own, placed on the cluster (rollout.distributed_load)
+            from rollout.distributed_load import RayWorkers
+
+            workers = RayWorkers(placement)
+        self._swarm = Swarm(self.spec, workers=workers)
         self._error: str | None = None
         self._n_records: int | None = None
         self._generator: dict | None = None
@@ -92,8 +98,11 @@ class LoadRunnerServer:
 LoadRunner = ray.remote(num_cpus=0, max_restarts=0, max_concurrency=4)(LoadRunnerServer)
 
 
-def start_load_runner(spec: SwarmSpec, name: str | None = None, namespace: str | None = None) -> Any:
-    """A LoadRunner running `spec` on this node (named and detached when `name` is given)."""
+def start_load_runner(
+    spec: SwarmSpec, name: str | None = None, namespace: str | None = None, placement: str = "local"
+) -> Any:
+    """A LoadRunner running `spec` on this node (named and detached when `name` is given); its
+    workers are local processes, or Ray actors placed by `placement` (see cluster.process)."""
     options: dict[str, Any] = {
         "scheduling_strategy": NodeAffinitySchedulingStrategy(node_id=ray.get_runtime_context().get_node_id(), soft=False)
     }
@@ -101,7 +110,7 @@ def start_load_runner(spec: SwarmSpec, name: str | None = None, namespace: str |
         options.update(name=name, lifetime="detached")
         if namespace:
             options["namespace"] = namespace
-    actor = LoadRunner.options(**options).remote(spec.model_dump(mode="json"))
+    actor = LoadRunner.options(**options).remote(spec.model_dump(mode="json"), placement)
     # wait for the constructor: a spec the actor cannot run fails here, not at the first poll
     ray.get(actor.state.remote(), timeout=60)
     return actor

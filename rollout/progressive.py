@@ -101,6 +101,7 @@ class ProgressiveContext:
     start_load: Callable[[SwarmSpec], Any] | None = None  # default: an unnamed LoadRunner on this node
     # resume: an earlier attempt's LoadRunner still running (stopped gracefully, its records stored)
     previous_load: Any = None
+    master_bind_host: str = "127.0.0.1"  # 0.0.0.0 when Locust workers run on other nodes
 
 
 @dataclass
@@ -283,6 +284,7 @@ class _Phase:
             n_workers=ctx.n_workers,
             stop_timeout_s=SWARM_STOP_TIMEOUT_S,
             log_dir=out / "locust",
+            master_bind_host=ctx.master_bind_host,
         )
 
     def _read_records(self) -> None:

@@ -127,6 +127,23 @@ def markdown_report(doc: dict[str, Any]) -> str:
         if exp.get("generator_warnings"):
             lines += ["", "**The load generator limited the load** (latencies include client-side delay):", ""]
             lines += [f"- {w}" for w in exp["generator_warnings"]]
+    if exp.get("sweep"):
+        from rollout.load_sweep import sweep_table
+
+        lines += ["", "## Speedup vs load (sweep, no gate)", ""]
+        lines += sweep_table(exp["sweep"], ("baseline", "canary"))
+        lines.append("\nTPOT from usage tokens per request; tokens/chunk is the client's view of the acceptance length.")
+    prog = doc.get("progressive") or {}
+    if prog.get("observed_split"):
+        lines += ["", "## Progressive steps", "", "| step | canary weight | observed canary share (router) | requests routed |",
+                  "|---|---|---|---|"]
+        for s in prog["observed_split"]:
+            share = s.get("observed_canary_share")
+            routed = sum((s.get("routed") or {}).values())
+            lines.append(f"| {s['step'] + 1} | {s['canary_weight']:g}% | {'n/a' if share is None else f'{share * 100:.1f}%'} | {routed} |")
+        if prog.get("requests_received") is not None:
+            lines.append(f"\nRequests the router received in the phase: {prog['requests_received']}; "
+                         f"request records stored: {prog.get('records_stored')}.")
     acc = doc.get("accuracy") or {}
     if acc:
         lines += ["", "## Accuracy", "", f"{acc['items']} of {acc['planned_items']} {acc['kind']} items, greedy, identical for every arm."]

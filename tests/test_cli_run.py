@@ -70,11 +70,20 @@ def test_local_cpu_default_promotes_with_a_full_decision_record(tmp_path):
     assert doc["arms"]["canary"]["engine"]["speculative_config"]["num_speculative_tokens"] == 3
     assert doc["timeline"][-1]["canary_weight"] == 100
     assert "same MTP layer" in json.dumps(doc["engine_warnings"]["canary-0"])
-    assert (runs / "promote" / "report.md").read_text().count("**pass**") >= 6
+    report = (runs / "promote" / "report.md").read_text()
+    assert report.count("**pass**") >= 6
+    # Speedup vs load: every level measured on both arms; speculation wins at one stream per replica.
+    sweep = doc["experiment"]["sweep"]
+    assert [row["level"] for row in sweep] == [1, 2, 4]
+    assert all(row["arms"][arm]["requests"] > 0 for row in sweep for arm in ("baseline", "canary"))
+    assert sweep[0]["tpot_ratio"] < 0.9
+    assert "## Speedup vs load" in report
     # Every request record of every window is in SQLite once, and equals the JSONL.
-    jsonl = sum(len(p.read_text().splitlines()) for p in (runs / "promote" / "experiment").rglob("records.jsonl"))
     db = sqlite3.connect(runs / "history.db")
-    assert db.execute("SELECT COUNT(*) FROM request_samples WHERE run_id='promote'").fetchone()[0] == jsonl > 0
+    for phase in ("experiment", "sweep"):
+        jsonl = sum(len(p.read_text().splitlines()) for p in (runs / "promote" / phase).rglob("records.jsonl"))
+        stored = db.execute("SELECT COUNT(*) FROM request_samples WHERE run_id='promote' AND phase=?", (phase,))
+        assert stored.fetchone()[0] == jsonl > 0, phase
     assert db.execute("SELECT decision, exit_code FROM runs WHERE run_id='promote'").fetchone() == ("promote", 0)
     assert wait_no_server_processes() == []
 
@@ -145,3 +154,30 @@ def test_sigint_mid_run_leaves_no_vllm_locust_or_ray_process(tmp_path):
     assert ray_processes() == []
     db = sqlite3.connect(runs / "history.db")
     assert db.execute("SELECT status FROM runs WHERE run_id='intr'").fetchone()[0] == "error"
+
+
+def test_abort_command_during_accuracy_rolls_back_before_any_load(tmp_path):
+    runs = tmp_path / "runs"
+    log = tmp_path / "out.log"
+    with open(log, "w") as out:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "rollout", "run", "configs/local-cpu.yaml", "--runs-dir", str(runs), "--run-id", "abort"],
+            cwd=REPO, stdout=out, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"},
+        )
+    try:
+        deadline = time.monotonic() + 600
+        while "accuracy: 32/128 items" not in log.read_text():
+            assert proc.poll() is None, log.read_text()[-3000:]
+            assert time.monotonic() < deadline, "the run never finished an accuracy batch"
+            time.sleep(0.5)
+        sent = run_cli("abort", "abort", "--runs-dir", str(runs), timeout=60)
+        assert sent.returncode == 0, sent.stderr
+        assert proc.wait(timeout=300) == 3, log.read_text()[-3000:]
+    finally:
+        if proc.poll() is None:
+            proc.kill()
+    doc = decision_of(runs, "abort")
+    assert doc["decision"] == "rollback" and doc["reason"] == "aborted by command during accuracy"
+    assert doc["accuracy"]["items"] < 128 and doc["experiment"] == {}
+    assert ("accuracy", "abort") in [(e["phase"], e["event"]) for e in doc["timeline"]]
+    assert wait_no_server_processes() == []

@@ -40,6 +40,11 @@ def test_the_gpu_target_config_is_mimo_v25_at_tensor_parallel_4():
         (minimal(gates={"alpha": 2}), "gates.alpha"),
         (minimal(name="bad name"), "name"),
         (minimal(baseline={"engine": {"device": "cpu"}}), "baseline.engine.model"),
+        (minimal(experiment={"worker_placement": "everywhere"}), "experiment.worker_placement"),
+        (minimal(experiment={"worker_placement": "node:"}), "experiment.worker_placement"),
+        (minimal(experiment={"workers": 0}), "worker_placement: local"),
+        (minimal(experiment={"sweep": {"levels": [1, 0]}}), "experiment.sweep.levels"),
+        (minimal(lease_s=1), "lease_s"),
     ],
 )
 def test_bad_configs_get_one_line_naming_the_field(data, names):
@@ -60,3 +65,9 @@ def test_yaml_syntax_error_names_the_line(tmp_path):
 def test_missing_file_is_a_config_error(tmp_path):
     with pytest.raises(ConfigError, match="cannot read"):
         load_config(tmp_path / "nope.yaml")
+
+
+def test_worker_placements_that_validate():
+    for placement in ("local", "spread", "pack", "node:10.0.0.2", "label:zone=a", "resource:locust=1"):
+        assert parse_config(minimal(experiment={"worker_placement": placement})).experiment.worker_placement == placement
+    assert parse_config(minimal(experiment={"workers": 0, "worker_placement": "local"})).experiment.workers == 0
