@@ -69,6 +69,7 @@ class Fleet:
     # detached (needs a name prefix): the replicas outlive this driver (resume after a crash);
     # each holds a lease the owner must renew (cluster.lease), so an abandoned fleet stops itself
     detached: bool = False
+    lease_s: float | None = None  # renewed once at creation; the owner keeps renewing (renew_leases)
     bind_host: str = "127.0.0.1"  # "0.0.0.0" when Locust or the router run on another node
     placement_timeout_s: float = 60.0
     poll_s: float = 2.0
@@ -121,6 +122,9 @@ class Fleet:
                 actor = VLLMReplica.options(**options).remote(
                     name, arm.name, arm.engine.model_dump(), str(Path(self.log_dir).resolve()), self.bind_host
                 )
+                if self.lease_s:
+                    # at once: an owner that dies before its first renewal must not leave an unleased replica
+                    actor.renew_lease.remote(self.lease_s)
                 self.replicas.append(ReplicaHandle(name=name, arm=arm.name, actor=actor))
                 index += 1
         return self.replicas

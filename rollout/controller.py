@@ -197,7 +197,6 @@ class Controller:
         try:
             self._prepare()
             self._start_fleet_and_router()
-            self._start_lease_keeper()
             self._preflight()
             judged = self.store.phase_results(self.run_id, JUDGED) if self.resuming else []
             if judged:
@@ -368,7 +367,9 @@ class Controller:
             actor_name_prefix="replica-",
             namespace=self.namespace,
             detached=True,
+            lease_s=cfg.lease_s,
         )
+        self._start_lease_keeper()  # before anything starts: a fleet start can take many minutes
         previous_router = self._find_actor(ROUTER_NAME) if self.resuming else None
         if self.resuming and self.fleet.attach():
             urls = self.fleet.urls()
@@ -388,6 +389,7 @@ class Controller:
         self.router = Router.options(
             scheduling_strategy=here, name=ROUTER_NAME, namespace=self.namespace, lifetime="detached"
         ).remote(initial_weights={BASELINE: 100.0, CANARY: 0.0}, seed=0)
+        self.router.renew_lease.remote(cfg.lease_s)
         self.router_url = ray.get(self.router.start.remote(host=cfg.ray.bind_host))
         ray.get(self.router.set_arms.remote(urls))
         self.canary_weight = 0.0
