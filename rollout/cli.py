@@ -58,9 +58,13 @@ def _cmd_run(args: argparse.Namespace) -> int:
     if args.run_id and (runs_dir / args.run_id).exists():
         print(f"mtp-canary: run id {args.run_id!r} already exists in {runs_dir}", file=sys.stderr)
         return EXIT_USAGE
+    return _drive(Controller(config, runs_dir=runs_dir, run_id=args.run_id, progress=lambda m: print(m, flush=True)))
+
+
+def _drive(controller) -> int:
+    """Run a controller to its end; its exit code (130 when interrupted)."""
     # SIGTERM (e.g. `ray job stop`) takes the same path as Ctrl-C: tear down, then exit.
     signal.signal(signal.SIGTERM, _raise_keyboard_interrupt)
-    controller = Controller(config, runs_dir=runs_dir, run_id=args.run_id, progress=lambda m: print(m, flush=True))
     try:
         result = controller.run()
     except KeyboardInterrupt:
@@ -72,13 +76,10 @@ def _cmd_run(args: argparse.Namespace) -> int:
 
 
 def _cmd_resume(args: argparse.Namespace) -> int:
-    store = _open_store(args.runs_dir, "resume")
-    if store is None:
+    found = _find_run(args.runs_dir, args.run_id, "resume")
+    if found is None:
         return EXIT_USAGE
-    run = store.run(args.run_id)
-    if run is None:
-        print(f"mtp-canary resume: no run {args.run_id!r} in {args.runs_dir}", file=sys.stderr)
-        return EXIT_USAGE
+    run = found[1]
     if run["status"] == "done":
         print(f"mtp-canary resume: run {args.run_id} already decided ({run['decision']})", file=sys.stderr)
         return EXIT_USAGE
@@ -94,18 +95,9 @@ def _cmd_resume(args: argparse.Namespace) -> int:
     except (ConfigError, ValueError) as exc:
         print(f"mtp-canary resume: the stored config of {args.run_id} no longer validates: {exc}", file=sys.stderr)
         return EXIT_USAGE
-    signal.signal(signal.SIGTERM, _raise_keyboard_interrupt)
-    controller = Controller(
-        config, runs_dir=Path(args.runs_dir), run_id=args.run_id, progress=lambda m: print(m, flush=True), resume=True
+    return _drive(
+        Controller(config, runs_dir=Path(args.runs_dir), run_id=args.run_id, progress=lambda m: print(m, flush=True), resume=True)
     )
-    try:
-        result = controller.run()
-    except KeyboardInterrupt:
-        print("mtp-canary: interrupted; replicas, router and Locust stopped", file=sys.stderr)
-        return 130
-    decision = result.decision.value if result.decision and not result.error else "error"
-    print(f"mtp-canary: {decision} (exit {result.exit_code}) -> {result.run_dir / 'decision.json'}", flush=True)
-    return result.exit_code
 
 
 def _cmd_make_model(args: argparse.Namespace) -> int:
@@ -144,6 +136,18 @@ def _open_store(runs_dir: str, command: str):
         print(f"mtp-canary {command}: no runs in {runs_dir} (no history.db)", file=sys.stderr)
         return None
     return RunStore(db)
+
+
+def _find_run(runs_dir: str, run_id: str, command: str):
+    """(store, run row) of a run, or None after one line on stderr saying what is missing."""
+    store = _open_store(runs_dir, command)
+    if store is None:
+        return None
+    run = store.run(run_id)
+    if run is None:
+        print(f"mtp-canary {command}: no run {run_id!r} in {runs_dir}", file=sys.stderr)
+        return None
+    return store, run
 
 
 def _arms_of(config_json: str | None) -> str:
@@ -185,13 +189,10 @@ def _cmd_history(args: argparse.Namespace) -> int:
 
 def _send_command(args: argparse.Namespace) -> int:
     command = args.command
-    store = _open_store(args.runs_dir, command)
-    if store is None:
+    found = _find_run(args.runs_dir, args.run_id, command)
+    if found is None:
         return EXIT_USAGE
-    run = store.run(args.run_id)
-    if run is None:
-        print(f"mtp-canary {command}: no run {args.run_id!r} in {args.runs_dir}", file=sys.stderr)
-        return EXIT_USAGE
+    store, run = found
     if run["status"] != "running":
         outcome = run["decision"] or run["status"]
         print(f"mtp-canary {command}: run {args.run_id} already finished ({outcome})", file=sys.stderr)

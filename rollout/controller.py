@@ -660,19 +660,12 @@ class Controller:
     def _run_window(self, window: int, arm_pin: str, replicas: int):
         exp = self.cfg.experiment
         window_dir = self.run_dir / "experiment" / f"window-{window}"
-        traffic = TrafficOptions(
-            dataset=exp.dataset,
-            dataset_path=exp.dataset_path,
-            input_tokens=exp.input_tokens,
-            max_tokens=exp.max_tokens,
-            endpoint=exp.endpoint,
-            model=self.engines[BASELINE].served_model_name,
-            records=str(window_dir / "records.jsonl"),
+        traffic = self._pinned_traffic(
+            window_dir / "records.jsonl",
             tag=f"experiment-w{window}",
             seed=exp.seed + window,
             arm_pin=arm_pin,
             rate=exp.rate_per_replica * 2 * replicas if exp.rate_per_replica else None,
-            ignore_eos=True,
         )
         users = exp.users_per_replica * 2 * replicas
         spec = self._swarm_spec(traffic, users, exp.window_s, window_dir)
@@ -684,6 +677,21 @@ class Controller:
                 self.say(f"experiment: window {window} {p.phase} {p.elapsed_s:.0f}/{exp.window_s} s, {p.requests_done} requests done, {p.requests_failed} failed")
 
         return self._run_swarm(spec, on_progress)
+
+    def _pinned_traffic(self, records: Path, **options: Any) -> TrafficOptions:
+        """The experiment's prompts and lengths (exact output lengths: ignore_eos) plus `options`."""
+        exp = self.cfg.experiment
+        return TrafficOptions(
+            dataset=exp.dataset,
+            dataset_path=exp.dataset_path,
+            input_tokens=exp.input_tokens,
+            max_tokens=exp.max_tokens,
+            endpoint=exp.endpoint,
+            model=self.engines[BASELINE].served_model_name,
+            records=str(records),
+            ignore_eos=True,
+            **options,
+        )
 
     def _run_swarm(self, spec: SwarmSpec, on_progress=None):
         """One load test: workers under Ray actors on the cluster (worker_placement), or local processes."""
@@ -720,18 +728,11 @@ class Controller:
         self.say(f"sweep: speedup vs load at {levels} streams per replica, {sweep.step_s} s each (no gate)")
         self.event("sweep", "start", f"levels {levels}")
         out = self.run_dir / "sweep"
-        traffic = TrafficOptions(
-            dataset=exp.dataset,
-            dataset_path=exp.dataset_path,
-            input_tokens=exp.input_tokens,
-            max_tokens=exp.max_tokens,
-            endpoint=exp.endpoint,
-            model=self.engines[BASELINE].served_model_name,
-            records=str(out / "records.jsonl"),
+        traffic = self._pinned_traffic(
+            out / "records.jsonl",
             tag="sweep",
             seed=exp.seed + 500,
             arm_pin=f"{BASELINE},{CANARY}",
-            ignore_eos=True,
             steps=levels,
             step_s=sweep.step_s,
             level_users=2 * replicas,  # each user alternates arms: level streams per replica

@@ -224,3 +224,43 @@ def test_last_look_is_where_a_resumed_phase_continues(tmp_path):
     store.put_phase_result("r", "progressive", 3, {})
     store.put_phase_result("r", "progressive", 1, {})
     assert store.last_look("r", "progressive") == 3
+
+
+def test_resume_refuses_unknown_finished_and_still_controlled_runs(runs, capsys):
+    import os
+
+    from rollout.store import controller_identity
+
+    assert main(["resume", "nope", "--runs-dir", str(runs)]) == 2
+    assert "no run 'nope'" in capsys.readouterr().err
+    assert main(["resume", "r-promoted", "--runs-dir", str(runs)]) == 2
+    assert "already decided (promote)" in capsys.readouterr().err
+    store = RunStore(runs / "history.db")
+    store.update_run("r-live", controller=controller_identity())  # this test process: alive
+    assert main(["resume", "r-live", "--runs-dir", str(runs)]) == 2
+    err = capsys.readouterr().err
+    assert f"still controlled by {controller_identity()}" in err and len(err.strip().splitlines()) == 1
+    # a controller that is gone is reported by status
+    dead = subprocess.Popen([sys.executable, "-c", "pass"])
+    dead.wait()
+    store.update_run("r-live", controller=f"{controller_identity().rpartition(':')[0]}:{dead.pid}")
+    assert main(["status", "r-live", "--runs-dir", str(runs), "--json"]) == 0
+    doc = json.loads(capsys.readouterr().out)
+    assert doc["controller_alive"] is False and os.getpid() != dead.pid
+    assert main(["status", "r-live", "--runs-dir", str(runs)]) == 0
+    assert "`mtp-canary resume r-live` continues the run" in capsys.readouterr().out
+
+
+def test_supersede_keeps_an_interrupted_attempt_apart(tmp_path):
+    from loadtests.records import RequestRecord
+
+    store = RunStore(tmp_path / "history.db")
+    store.create_run("r", "demo", "m", config(1, 3))
+    record = RequestRecord(request_id="a", tag="t", worker="w", sent_at=1.0, e2e_s=0.1, ok=True, status=200)
+    store.add_request_samples("r", "experiment", 1, [record])
+    store.put_phase_result("r", "experiment", 1, [gate("tpot_p50_improvement", "inconclusive")])
+    store.put_phase_result("r", "progressive", 1, {"kept": True})
+    assert store.supersede("r", ("preflight", "accuracy", "experiment"), attempt=1) == 2
+    assert store.count_request_samples("r", "experiment") == 0
+    assert store.count_request_samples("r", "experiment@attempt-1") == 1  # kept, not judged again
+    assert store.phase_results("r", "experiment") == [] and store.phase_results("r", "progressive") == [{"kept": True}]
