@@ -11,19 +11,24 @@ schedule, configurable tokens per SSE chunk) it measures, in one run:
 2. capacity and fidelity: one stepped run per chunking (1 and 4 tokens per chunk) over
    several loads (concurrent streams); per level the client's CPU share (sampled from
    outside), tokens/s, and TTFT and TPOT as our client recorded them vs the schedule
-   (and vs what the target achieved, from its /timings: the client's own part of the
-   error). Capacity = tokens per CPU-second of the client at the highest load the target
-   kept on schedule; "half capacity" = the load at which the client used ~half a core;
+   and vs what the target achieved (its /timings: when each first chunk really left,
+   on the wall clock client and target share), which splits the error vs the schedule
+   exactly into the client's own error and the target's lateness (accepting the
+   request, its timer). Capacity = tokens per CPU-second of the client at the highest
+   load the target kept on schedule; "half capacity" = the load at which the client
+   used ~half a core;
 3. open-loop pacing: achieved vs target request rate (constant arrivals), and send lag.
 
     python benchmarks/loadgen.py [--quick] [--json]
 
 `--json` prints one object with flat dotted keys; `--quick` finishes within a minute.
-Targets: TPOT median relative error <= 1%, TTFT p99 error <= 2 ms at half capacity,
-CPU ratio ours/vLLM <= 0.7 (above 1.0 is a defect), achieved rate within 2% of target.
-The target and the client share the machine: on few cores the target's own lateness is
-part of the error vs the schedule (the output gives both), and CPU figures are only
-clean on an otherwise idle machine (the output says how loaded it was).
+Targets: TPOT median relative error <= 1%, TTFT p99 error vs the schedule <= 2 ms at half
+capacity (`fidelity.ttft_p99_error_ms`; it is split into the client's own error vs what
+the target really sent, `fidelity.client_ttft_p99_error_ms`, and the target's lateness,
+`fidelity.target_ttft_late_p99_ms`, which on two cores shared by target, client and
+anything else is milliseconds by itself), CPU ratio ours/vLLM <= 0.7 (above 1.0 is a
+defect), achieved rate within 2% of target. CPU
+figures are only clean on an otherwise idle machine (the output says how loaded it was).
 """
 
 from __future__ import annotations
@@ -50,7 +55,7 @@ REPO = Path(__file__).resolve().parents[1]
 if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
-from benchmarks.stream_target import TargetProcess  # noqa: E402
+from benchmarks.stream_target import AchievedTiming, TargetProcess  # noqa: E402
 from loadtests.health import percentile  # noqa: E402
 from loadtests.options import TrafficOptions  # noqa: E402
 from loadtests.records import RequestRecord, read_records  # noqa: E402
@@ -77,8 +82,9 @@ class Plan:
 QUICK = Plan(ttft_ms=20, tpot_ms=5, tokens=64, efficiency_users=16, efficiency_s=4, efficiency_rounds=1,
              levels=(8, 32, 96), step_s=3, pacing_fraction=0.25, pacing_s=4)
 FULL = Plan(ttft_ms=20, tpot_ms=5, tokens=128, efficiency_users=32, efficiency_s=10, efficiency_rounds=3,
-            levels=(8, 16, 32, 64, 128), step_s=8, pacing_fraction=0.5, pacing_s=15)
-# the target counts as on schedule while its own first chunks leave at most this late (p99)
+            levels=(8, 16, 32, 64, 128, 192), step_s=8, pacing_fraction=0.5, pacing_s=15)
+# the target counts as on schedule while its own first chunks leave at most this late (p99,
+# from its handler's start: its timer; the figures report its lateness from the send too)
 TARGET_ON_SCHEDULE_MS = 5.0
 
 
@@ -221,21 +227,26 @@ def run_ours_sampled(url: str, work: Path, name: str, **kwargs: Any) -> tuple[Sw
     return result, records, sampler
 
 
-def level_figures(records: list[RequestRecord], timings: dict[str, tuple[float, float]], plan: Plan,
+def level_figures(records: list[RequestRecord], timings: dict[str, AchievedTiming], plan: Plan,
                   window: tuple[float, float], cpu_share: float | None) -> dict[str, float | None]:
-    """Errors of the requests sent in one level's window, vs the schedule and vs what the target achieved."""
+    """Errors of the requests sent in one level's window, vs the schedule and vs what the target achieved.
+
+    TTFT splits exactly in two, on the one wall clock that client and target share:
+      client error  = when the client stamped the first output chunk (sent_at + ttft_s)
+                      - when the target wrote it (the target's /timings);
+      target late   = when the target wrote it - when the schedule wanted it (sent_at + ttft),
+                      i.e. the target's accepting the request plus its timer's lateness;
+    their sum is the error vs the schedule."""
     t0, t1 = window
     ok = [r for r in records if r.ok and t0 <= r.sent_at < t1 and r.tpot_s is not None and r.ttft_s is not None]
     if not ok:
         raise RuntimeError(f"no complete requests between {t0:.1f} and {t1:.1f}")
     ttft_s, tpot_s = plan.ttft_ms / 1000.0, plan.tpot_ms / 1000.0
     ttft_err_ms = [(r.ttft_s - ttft_s) * 1000.0 for r in ok]
-    timed = [r for r in ok if r.request_id in timings]
-    achieved_first = {r.request_id: timings[r.request_id][0] for r in timed}
-    achieved_tpot = {r.request_id: (timings[r.request_id][1] - timings[r.request_id][0]) / (r.output_tokens - 1)
-                     for r in timed}
-    client_ttft_err_ms = [(r.ttft_s - achieved_first[r.request_id]) * 1000.0 for r in timed]
-    target_late_ms = [(achieved_first[r.request_id] - ttft_s) * 1000.0 for r in timed]
+    timed = [(r, timings[r.request_id]) for r in ok if r.request_id in timings]
+    client_ttft_err_ms = [(r.sent_at + r.ttft_s - t.first_sent_at) * 1000.0 for r, t in timed]
+    target_late_ms = [(t.first_sent_at - r.sent_at - ttft_s) * 1000.0 for r, t in timed]
+    timer_late_ms = [(t.first_s - ttft_s) * 1000.0 for _, t in timed]
     tokens = sum(r.output_tokens or 0 for r in ok)
     tokens_per_s = tokens / (t1 - t0)
     return {
@@ -246,10 +257,13 @@ def level_figures(records: list[RequestRecord], timings: dict[str, tuple[float, 
         "tpot_median_rel_error": statistics.median(r.tpot_s for r in ok) / tpot_s - 1.0,
         "ttft_median_error_ms": statistics.median(ttft_err_ms),
         "ttft_p99_error_ms": percentile(ttft_err_ms, 99),
-        "client_tpot_median_rel_error": statistics.median(r.tpot_s / achieved_tpot[r.request_id] - 1.0 for r in timed)
-        if timed else None,
+        "client_tpot_median_rel_error": statistics.median(
+            r.tpot_s / ((t.last_s - t.first_s) / (r.output_tokens - 1)) - 1.0 for r, t in timed) if timed else None,
+        "client_ttft_median_error_ms": percentile(client_ttft_err_ms, 50),
         "client_ttft_p99_error_ms": percentile(client_ttft_err_ms, 99),
         "target_ttft_late_p99_ms": percentile(target_late_ms, 99),
+        # its timer alone: the first chunk vs the schedule from the handler's start
+        "target_timer_late_p99_ms": percentile(timer_late_ms, 99),
     }
 
 
@@ -322,15 +336,15 @@ def capacity_and_fidelity(plan: Plan, work: Path, out: dict[str, Any], say: Call
             say(f"{chunk} token(s)/chunk, {level:3d} streams: {f['tokens_per_s']:6.0f} tokens/s, client CPU "
                 f"{_fmt(f['client_cpu_pct'], '.0f')}% -> {_fmt(f['tokens_per_cpu_s'], '.0f')} tokens/CPU-s; "
                 f"TPOT error {f['tpot_median_rel_error']:+.2%} (client {_fmt(f['client_tpot_median_rel_error'], '+.2%')}); "
-                f"TTFT p99 error {f['ttft_p99_error_ms']:+.2f} ms (client {_fmt(f['client_ttft_p99_error_ms'], '+.2f')}, "
-                f"target late p99 {_fmt(f['target_ttft_late_p99_ms'], '.2f')} ms)")
+                f"TTFT p99 error vs schedule {f['ttft_p99_error_ms']:+.2f} ms (client "
+                f"{_fmt(f['client_ttft_p99_error_ms'], '+.2f')}, target late p99 {_fmt(f['target_ttft_late_p99_ms'], '.2f')} ms)")
         per_chunk[chunk] = figures
         out[f"levels.chunk{chunk}.generator_warnings"] = result.warnings
 
     # capacity: tokens per CPU-second at the highest level the target still served on schedule
     ones = per_chunk[1]
     on_schedule = [i for i, f in enumerate(ones)
-                   if f["target_ttft_late_p99_ms"] is not None and f["target_ttft_late_p99_ms"] <= TARGET_ON_SCHEDULE_MS
+                   if f["target_timer_late_p99_ms"] is not None and f["target_timer_late_p99_ms"] <= TARGET_ON_SCHEDULE_MS
                    and f["tokens_per_cpu_s"] is not None]
     cap_index = max(on_schedule) if on_schedule else 0
     capacity = ones[cap_index]["tokens_per_cpu_s"] or 0.0
@@ -345,11 +359,13 @@ def capacity_and_fidelity(plan: Plan, work: Path, out: dict[str, Any], say: Call
     up_to_half = range(half + 1)
     out["fidelity.tpot_median_rel_error"] = max(abs(per_chunk[c][i]["tpot_median_rel_error"] or 0.0)
                                                 for c in per_chunk for i in up_to_half)
+    # The issue's figure is the error vs the known schedule; it splits exactly into the
+    # client's own error (vs what the target really sent) and the target's lateness.
     out["fidelity.ttft_p99_error_ms"] = max(per_chunk[c][half]["ttft_p99_error_ms"] or 0.0 for c in per_chunk)
-    out["fidelity.client_tpot_median_rel_error"] = max(abs(per_chunk[c][i]["client_tpot_median_rel_error"] or 0.0)
-                                                       for c in per_chunk for i in up_to_half)
     out["fidelity.client_ttft_p99_error_ms"] = max(per_chunk[c][half]["client_ttft_p99_error_ms"] or 0.0
                                                    for c in per_chunk)
+    out["fidelity.client_tpot_median_rel_error"] = max(abs(per_chunk[c][i]["client_tpot_median_rel_error"] or 0.0)
+                                                       for c in per_chunk for i in up_to_half)
     out["fidelity.target_ttft_late_p99_ms"] = max(per_chunk[c][half]["target_ttft_late_p99_ms"] or 0.0
                                                   for c in per_chunk)
     say(f"capacity {capacity:.0f} tokens per CPU-second (at {plan.levels[cap_index]} streams); half capacity: "
@@ -409,9 +425,9 @@ def table(out: dict[str, Any], mode: str) -> str:
         ("TPOT median relative error, worst of 1 and 4 tokens/chunk up to half capacity",
          f"{out['fidelity.tpot_median_rel_error']:.2%} (client alone {out['fidelity.client_tpot_median_rel_error']:.2%})",
          "<= 1%", "fidelity.tpot_median_rel_error"),
-        (f"TTFT p99 error at half capacity ({half})",
-         f"{out['fidelity.ttft_p99_error_ms']:.2f} ms (client alone {out['fidelity.client_ttft_p99_error_ms']:.2f} ms, "
-         f"target late {out['fidelity.target_ttft_late_p99_ms']:.2f} ms)", "<= 2 ms", "fidelity.ttft_p99_error_ms"),
+        (f"TTFT p99 error vs the schedule at half capacity ({half})",
+         f"{out['fidelity.ttft_p99_error_ms']:.2f} ms = client's own {out['fidelity.client_ttft_p99_error_ms']:.2f} ms "
+         f"+ target late {out['fidelity.target_ttft_late_p99_ms']:.2f} ms (p99s)", "<= 2 ms", "fidelity.ttft_p99_error_ms"),
         (f"client CPU-s per 1k streamed tokens, ours ({out['efficiency.users']} streams, 1 token/chunk)",
          f"{out['efficiency.ours_cpu_s_per_1k_tokens']:.4f}", "", None),
         ("client CPU-s per 1k streamed tokens, vllm bench serve (same target and load)",

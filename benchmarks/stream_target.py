@@ -18,7 +18,10 @@ Usage:  python benchmarks/stream_target.py --port 8100 --ttft-ms 50 --tpot-ms 10
 It prints `LISTENING http://HOST:PORT` once it accepts connections. GET /stats gives
 request counts (started, completed, disconnected). GET /timings gives, for each
 streamed request that carried an X-Request-Id header, the achieved [first chunk, last
-chunk] send offsets in seconds from the handler's start (the last 100,000 requests). Requests that carry the header
+chunk] send offsets in seconds from the handler's start and the wall-clock time of that
+start (the last 100,000 requests): with the client's own wall-clock send time, where
+each chunk really left, so that a benchmark can tell the client's error from the
+target's lateness (both run on one machine, one clock). Requests that carry the header
 x-mtp-canary-arm get it echoed back, like the router's arm pinning; otherwise the
 --arm value (if any) is sent.
 """
@@ -37,7 +40,7 @@ import urllib.request
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, NamedTuple
 
 from aiohttp import web
 
@@ -66,6 +69,20 @@ class TokenSchedule:
             done += size
             plan.append((self.ttft_s + (done - 1) * self.tpot_s, size))
         return plan
+
+
+class AchievedTiming(NamedTuple):
+    """What the target achieved for one request: first and last chunk send offsets from
+    the handler's start, and the wall-clock (epoch) time of that start."""
+
+    first_s: float
+    last_s: float
+    arrived_at: float
+
+    @property
+    def first_sent_at(self) -> float:
+        """Wall-clock time the first chunk left."""
+        return self.arrived_at + self.first_s
 
 
 @dataclass
@@ -97,8 +114,8 @@ class StreamTarget:
         self.replica = replica
         self.stats = TargetStats()
         self.model = "stream-target"
-        # request id -> (first chunk, last chunk) achieved send offsets, oldest first
-        self.timings: dict[str, tuple[float, float]] = {}
+        # request id -> (first chunk, last chunk) achieved send offsets, handler start (epoch); oldest first
+        self.timings: dict[str, tuple[float, float, float]] = {}
 
     def app(self) -> web.Application:
         app = web.Application()
@@ -135,6 +152,7 @@ class StreamTarget:
     async def _answer(self, request: web.Request, chat: bool) -> web.StreamResponse:
         loop = asyncio.get_running_loop()
         arrived = loop.time()
+        arrived_at = time.time()
         body = await request.json()
         n_tokens = int(body.get("max_tokens") or DEFAULT_MAX_TOKENS)
         arm = request.headers.get(ARM_HEADER) or self.arm
@@ -161,28 +179,25 @@ class StreamTarget:
         kind = "chat.completion.chunk" if chat else "text_completion"
         include_usage = bool((body.get("stream_options") or {}).get("include_usage"))
         sent_offsets: list[float] = []
+        # the bytes of a chunk depend only on its size and whether it is the last one: encode
+        # each kind once per request (a zero-work target: its CPU is the benchmark's noise)
+        encoded: dict[tuple[int, bool], bytes] = {}
         try:
             plan = self.schedule.chunks(n_tokens)
             for number, (offset, size) in enumerate(plan):
+                last = number == len(plan) - 1
+                data = encoded.get((size, last))
+                if data is None:
+                    data = encoded[(size, last)] = self._chunk_bytes(completion_id, kind, created, chat, size, last,
+                                                                     include_usage)
+                if chat and number == 0:  # the role announcement, as vLLM sends it
+                    data = _sse({"id": completion_id, "object": kind, "created": created, "model": self.model,
+                                 "choices": [{"index": 0, "delta": {"role": "assistant", "content": ""},
+                                              "finish_reason": None}]}) + data
                 delay = arrived + offset - loop.time()
                 if delay > 0:
                     await asyncio.sleep(delay)
-                last = number == len(plan) - 1
-                text = " tok" * size
-                finish = "length" if last else None
-                if chat:
-                    if number == 0:  # the role announcement, as vLLM sends it
-                        await response.write(_sse({"id": completion_id, "object": kind, "created": created,
-                                                   "model": self.model, "choices": [{"index": 0, "delta": {
-                                                       "role": "assistant", "content": ""}, "finish_reason": None}]}))
-                    choice = {"index": 0, "delta": {"content": text}, "finish_reason": finish}
-                else:
-                    choice = {"index": 0, "text": text, "finish_reason": finish}
-                chunk = {"id": completion_id, "object": kind, "created": created, "model": self.model,
-                         "choices": [choice]}
-                if include_usage:
-                    chunk["usage"] = None
-                await response.write(_sse(chunk))
+                await response.write(data)
                 sent_offsets.append(loop.time() - arrived)
             final: dict[str, Any] = {"id": completion_id, "object": kind, "created": created, "model": self.model,
                                      "choices": [], "target_timing": {
@@ -194,7 +209,7 @@ class StreamTarget:
             await response.write_eof()
             request_id = request.headers.get("x-request-id")
             if request_id and sent_offsets:
-                self.timings[request_id] = (sent_offsets[0], sent_offsets[-1])
+                self.timings[request_id] = (sent_offsets[0], sent_offsets[-1], arrived_at)
                 if len(self.timings) > TIMINGS_KEPT:
                     del self.timings[next(iter(self.timings))]
         except (ConnectionResetError, asyncio.CancelledError):
@@ -203,6 +218,20 @@ class StreamTarget:
         self.stats.completed += 1
         return response
 
+
+    def _chunk_bytes(self, completion_id: str, kind: str, created: int, chat: bool, size: int, last: bool,
+                     include_usage: bool) -> bytes:
+        text = " tok" * size
+        finish = "length" if last else None
+        if chat:
+            choice: dict[str, Any] = {"index": 0, "delta": {"content": text}, "finish_reason": finish}
+        else:
+            choice = {"index": 0, "text": text, "finish_reason": finish}
+        chunk: dict[str, Any] = {"id": completion_id, "object": kind, "created": created, "model": self.model,
+                                 "choices": [choice]}
+        if include_usage:
+            chunk["usage"] = None
+        return _sse(chunk)
 
     async def _answer_whole(
         self, arrived: float, n_tokens: int, chat: bool, usage: dict[str, int], headers: dict[str, str]
@@ -261,10 +290,10 @@ class TargetProcess:
         with urllib.request.urlopen(self.url + "/stats", timeout=10) as response:
             return json.loads(response.read())
 
-    def timings(self) -> dict[str, tuple[float, float]]:
-        """Achieved (first chunk, last chunk) send offsets per X-Request-Id."""
+    def timings(self) -> dict[str, AchievedTiming]:
+        """Achieved (first chunk, last chunk) send offsets and handler start (epoch) per X-Request-Id."""
         with urllib.request.urlopen(self.url + "/timings", timeout=30) as response:
-            return {key: (value[0], value[1]) for key, value in json.loads(response.read()).items()}
+            return {key: AchievedTiming(*value) for key, value in json.loads(response.read()).items()}
 
     def __exit__(self, *_exc: object) -> None:
         if self._process is not None and self._process.poll() is None:

@@ -3,18 +3,28 @@
 The HTTP client is geventhttpclient: cooperative sockets without monkey patching and a C
 response parser (HTTP framing, chunked encoding). Its `read(n)` waits for n bytes, which
 would delay every chunk, and `readline()` runs a Python loop per line; the stream is
-instead read one socket read at a time (`_BodyReader`): each read's bytes are stamped
-the moment they arrive and kept, and the SSE parsing happens after the stream ended.
+instead read one socket read at a time (`_read_body`) and each read's bytes go to an
+incremental `StreamReader` as they arrive.
+
+Times are when the bytes reached this host: the kernel stamps every arriving segment
+(SO_TIMESTAMPNS) and a read's time is taken from that stamp, so neither the gevent loop
+(other streams' chunks handled first) nor a CPU shared with other processes bends TTFT
+or E2E (see `_read_body` for the limits).
 
 CPU is what limits how much load one worker core offers, so the read path is lean:
-one `recv` per arriving chunk, no per-read timer (a timer per socket read cost more than
-the rest of the read), and one watchdog greenlet per process that cuts a stream off when
-it waited longer than its timeout for its next bytes.
+one read per arriving chunk, no per-read timer (a timer per socket read cost more than
+the rest of the read), one watchdog greenlet per process that cuts a stream off when it
+waited longer than its timeout for its next bytes, and no JSON parse for an ordinary
+mid-stream chunk (`StreamReader.feed`).
 """
 
 from __future__ import annotations
 
 import json
+import platform
+import socket as _socket
+import struct
+import sys
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -23,6 +33,7 @@ from urllib.parse import urlsplit
 
 import gevent
 from gevent import GreenletExit
+from gevent.socket import socket as _GeventSocket
 from gevent.socket import wait as wait_on_watcher
 from geventhttpclient import HTTPClient
 
@@ -41,6 +52,16 @@ ENDPOINT_PATHS: dict[str, str] = {
 ERROR_TEXT_LIMIT = 300
 # the most bytes one socket read takes
 _READ_SIZE = 65536
+# kernel receive stamps: a struct timespec per read in the read's ancillary data. Python
+# names neither constant; Linux's generic value (x86, ARM, RISC-V, POWER, s390) is 35
+_SO_TIMESTAMPNS = getattr(_socket, "SO_TIMESTAMPNS", None) or (
+    35 if sys.platform == "linux" and platform.machine() in
+    ("x86_64", "aarch64", "arm64", "armv7l", "riscv64", "ppc64le", "s390x") else None
+)
+_SCM_TIMESTAMPNS = getattr(_socket, "SCM_TIMESTAMPNS", None) or _SO_TIMESTAMPNS
+_TIMESPEC = struct.Struct("@qq")
+_ANCILLARY_SIZE = _socket.CMSG_SPACE(_TIMESPEC.size) if hasattr(_socket, "CMSG_SPACE") else 0
+_wall_clock = time.time
 
 
 class StreamTimeout(Exception):
@@ -93,35 +114,103 @@ class _IdleWatchdog:
 _watchdog = _IdleWatchdog()
 
 
+def _enable_receive_stamps(raw: Any) -> bool:
+    """Ask the kernel to stamp the bytes it receives on this socket (SO_TIMESTAMPNS)."""
+    if _SO_TIMESTAMPNS is None or not _ANCILLARY_SIZE:
+        return False
+    try:
+        raw.setsockopt(_socket.SOL_SOCKET, _SO_TIMESTAMPNS, 1)
+    except OSError:
+        return False
+    return True
+
+
+def _kernel_stamp(ancillary: list[tuple[int, int, bytes]], floor: float, clock: Callable[[], float]) -> float | None:
+    """The `clock` (perf_counter) time at which the kernel received the bytes of a read,
+    from the read's SCM_TIMESTAMPNS (a wall-clock time): `clock()` now less how long ago
+    that was on the wall clock, read right after it. Never before `floor` (the previous
+    stamp, or the send) nor after now; None when the read brought no stamp."""
+    for level, kind, data in ancillary:
+        if level == _socket.SOL_SOCKET and kind == _SCM_TIMESTAMPNS and len(data) >= _TIMESPEC.size:
+            seconds, nanoseconds = _TIMESPEC.unpack_from(data)
+            now = clock()
+            ago = _wall_clock() - (seconds + nanoseconds * 1e-9)
+            if ago <= 0.0:
+                return now
+            stamp = now - ago
+            return stamp if stamp > floor else floor
+    return None
+
+
 def _read_body(
-    response: Any, on_read: Callable[[float, bytes], None], timeout_s: float, clock: Callable[[], float]
+    response: Any,
+    on_read: Callable[[float, bytes, float], None],
+    timeout_s: float,
+    clock: Callable[[], float],
+    sent_s: float | None = None,
+    stamp_first_bytes: Callable[[], bool] | None = None,
 ) -> None:
     """Read a response body to its end, one socket read at a time, handing each read's
-    body bytes with the perf_counter time taken right after the read to `on_read`. Uses
-    the response's parser state (geventhttpclient HTTPSocketResponse: `_body_buffer`,
-    `_sock`, `feed`)."""
+    body bytes and its perf_counter time to `on_read`. Uses the response's parser state
+    (geventhttpclient HTTPSocketResponse: `_body_buffer`, `_sock`, `feed`).
+
+    A read's time is when its bytes reached this host, not when this greenlet got round
+    to reading them: on a plain TCP socket the kernel stamps each arriving segment
+    (SO_TIMESTAMPNS), and the stamp of the read is `clock()` right after it less how long
+    its bytes sat in the socket. So a busy generator (other streams' chunks handled
+    first, a gevent loop iteration, a CPU shared with other processes) does not bend
+    TTFT or E2E. Without kernel stamps (TLS, other platforms) it is `clock()` right after
+    the read. Body bytes that came with the headers (the client had not read the headers
+    when the first chunk came) are stamped when the headers were parsed.
+
+    The kernel's stamp of a TCP read is that of its last segment: right for the end of a
+    stream (`end_s`), but a read that came late (the generator stalled longer than a
+    token's time) holds several chunks. So while `stamp_first_bytes()` says so (the
+    reader has not seen its first output chunk yet), a read is also stamped with its
+    first segment's arrival (`start_s`), which a one-byte MSG_PEEK reports: one more
+    syscall for the first read or two. (Small segments that wait in a socket may be
+    merged by the kernel, which keeps the newest stamp: after a stall longer than the
+    gap between two chunks, TTFT can get the later chunk's time, never the read's.)
+    Only the stamps that are used become times: the reads until the first output chunk
+    (TTFT) and the one that ends the response (E2E); the others get `clock()`."""
     buffer = response._body_buffer
     if buffer:  # body bytes that came with the headers
         now = clock()
         data = bytes(buffer)
         del buffer[:]
-        on_read(now, data)
+        on_read(now, data, now)
     if response.message_complete:
         return
     socket = response._sock
     if socket is None:
         raise ConnectionError("the connection closed before the end of the response")
-    recv = socket.recv
     feed = response.feed
     # wait for readability before reading: a stream's next chunk is rarely there yet, and
     # gevent's recv would first try the read and fail with EAGAIN (a syscall and an exception)
     readable = socket._read_event
+    # a plain gevent TCP socket: read its real socket directly (after the wait, the read
+    # does not block), with the kernel's receive stamps; anything else (TLS) through gevent
+    stamped = type(socket) is _GeventSocket and _enable_receive_stamps(socket._sock)
+    recv = socket.recv
+    floor = sent_s if sent_s is not None else clock()  # no byte of the answer arrived before
     watch = _watchdog.watch(socket, timeout_s, clock())
+    ancillary: list[tuple[int, int, bytes]] = []
+    first_ancillary: list[tuple[int, int, bytes]] = []
     try:
         while True:
+            first = stamp_first_bytes is not None and stamp_first_bytes()
             try:
                 wait_on_watcher(readable)
-                data = recv(_READ_SIZE)
+                if stamped:
+                    # gevent swaps in a closed stand-in when the watchdog closes it: read it anew
+                    raw = socket._sock
+                    if first:  # the stamp of the oldest segment waiting, then the read
+                        _data, first_ancillary, _flags, _address = raw.recvmsg(1, _ANCILLARY_SIZE, _socket.MSG_PEEK)
+                    data, ancillary, _flags, _address = raw.recvmsg(_READ_SIZE, _ANCILLARY_SIZE)
+                else:
+                    data = recv(_READ_SIZE)
+            except BlockingIOError:
+                continue  # woken without bytes after all: wait again
             except OSError:
                 if watch.expired:
                     raise StreamTimeout(f"no bytes for {timeout_s:g}s (read timeout)") from None
@@ -129,11 +218,22 @@ def _read_body(
             now = clock()
             watch.last_read_s = now
             feed(data)  # parses the framing; the body lands in the buffer
+            complete = response.message_complete
+            start_s = end_s = now  # when the read's first and last bytes arrived
+            if stamped and (first or complete):
+                first_stamp = _kernel_stamp(first_ancillary, floor, clock) if first else None
+                if first_stamp is not None:
+                    start_s = floor = first_stamp
+                last_stamp = _kernel_stamp(ancillary, floor, clock) if complete else None
+                if last_stamp is not None:
+                    end_s = last_stamp
+                    if first_stamp is None:
+                        start_s = last_stamp
             if buffer:
                 body = bytes(buffer)
                 del buffer[:]
-                on_read(now, body)
-            if response.message_complete:
+                on_read(start_s, body, end_s)
+            if complete:
                 return
             if not data:
                 raise ConnectionError("the connection closed before the end of the response")
@@ -236,18 +336,38 @@ def _carries_output(choice: Mapping[str, Any], endpoint: Endpoint) -> bool:
     return "content" in delta or choice.get("finish_reason") is not None
 
 
+# where the generated text sits in an output chunk, as vLLM and OpenAI write it
+_TEXT_SLOTS: dict[str, bytes] = {"completions": b'"text":"', "chat": b'"content":"'}
+
+
+def _chunk_template(data: str, slot: bytes) -> tuple[bytes, bytes, int] | None:
+    """An output chunk's bytes as one read brings them (`data: {...}` and a blank line),
+    cut around its text: (before the text, after it, their length together). None when
+    the text slot is not one plain string value."""
+    raw = f"data: {data}\n\n".encode("utf-8")
+    if raw.count(slot) != 1:
+        return None
+    start = raw.index(slot) + len(slot)
+    end = raw.find(b'"', start)
+    if end < 0 or any(c in raw[start:end] for c in (b"\\", b"\n", b"\r")):
+        return None
+    return raw[:start], raw[end:], start + len(raw) - end
+
+
 class StreamReader:
     """Reads an OpenAI completion stream as it arrives: `feed(read time, bytes)` per socket
     read (right after its stamp), `outcome()` at the end. Counts the chunks that carry
     output, times the first, and keeps usage, finish reason and errors."""
 
-    __slots__ = ("_started_s", "_endpoint", "_decoder", "ttft_s", "chunks", "usage", "finish_reason",
+    __slots__ = ("_started_s", "_endpoint", "_decoder", "_template", "ttft_s", "chunks", "usage", "finish_reason",
                  "saw_done", "error", "events", "bytes", "last_read_s")
 
     def __init__(self, started_s: float, endpoint: Endpoint) -> None:
         self._started_s = started_s
         self._endpoint = endpoint
         self._decoder = SseDecoder()
+        # an ordinary output chunk of this stream, cut around its text (see `feed`)
+        self._template: tuple[bytes, bytes, int] | None = None
         self.ttft_s: float | None = None
         self.chunks = 0
         self.usage: Mapping[str, Any] | None = None
@@ -258,11 +378,32 @@ class StreamReader:
         self.bytes = 0
         self.last_read_s: float | None = None
 
-    def feed(self, read_s: float, data: bytes) -> None:
+    def feed(self, read_s: float, data: bytes, end_s: float | None = None) -> None:
+        """One read's bytes: `read_s` when they (the first of them) arrived, `end_s` when
+        the last did (the same when not given)."""
         self.bytes += len(data)
-        self.last_read_s = read_s
+        self.last_read_s = read_s if end_s is None else end_s
+        # The usual read mid-stream is one whole event: an output chunk like the stream's
+        # first ordinary one (one choice, output, no finish reason, no usage, no error),
+        # byte for byte but for its text. Such a chunk is counted without a JSON parse:
+        # the text between the template's two parts holds no quote, no line end and ends
+        # in no backslash, so it is all one JSON string and the chunk parses like the
+        # template. Anything else goes through the SSE decoder and the parser.
+        template = self._template
+        if template is not None and len(data) >= template[2]:
+            before, after, _ = template
+            if data.startswith(before) and data.endswith(after) and self._decoder.idle:
+                text = data[len(before):len(data) - len(after)]
+                if b'"' not in text and b"\n" not in text and b"\r" not in text and not text.endswith(b"\\"):
+                    self.events += 1
+                    self.chunks += 1
+                    return
         for event in self._decoder.feed(read_s, data):
             self.add(event)
+
+    def awaits_output(self) -> bool:
+        """No output chunk yet: the next read may carry the first (the one TTFT is timed by)."""
+        return self.ttft_s is None
 
     def add(self, event: TimedEvent) -> None:
         self.events += 1
@@ -291,13 +432,22 @@ class StreamReader:
         if not choices:
             return
         choice = choices[0]
-        if _carries_output(choice, self._endpoint):
+        carries_output = _carries_output(choice, self._endpoint)
+        if carries_output:
             self.chunks += 1
             if self.ttft_s is None:
                 self.ttft_s = event.received_s - self._started_s
         finish_reason = choice.get("finish_reason")
         if finish_reason is not None:
             self.finish_reason = finish_reason
+        elif self._template is None and carries_output and not usage and len(choices) == 1:
+            if self._endpoint == "completions":
+                plain = isinstance(choice.get("text"), str)
+            else:  # (a chat delta with a role is output only when its text is not empty)
+                delta = choice.get("delta") or {}
+                plain = isinstance(delta.get("content"), str) and "role" not in delta
+            if plain:
+                self._template = _chunk_template(data, _TEXT_SLOTS[self._endpoint])
 
     def outcome(self) -> StreamOutcome:
         """What the stream said (call once, at its end: a last event without its blank line counts)."""
@@ -418,7 +568,7 @@ class OpenAIStreamClient:
                 transport_error = f"HTTP {status}: {detail[:ERROR_TEXT_LIMIT].decode('utf-8', 'replace')}"
             else:
                 # the timed loop: read, stamp, then parse what the read brought
-                _read_body(response, reader.feed, timeout_s, time.perf_counter)
+                _read_body(response, reader.feed, timeout_s, time.perf_counter, started_s, reader.awaits_output)
                 ended_s = reader.last_read_s if reader.last_read_s is not None else time.perf_counter()
         except GreenletExit:
             cancelled = self._record(

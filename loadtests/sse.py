@@ -1,7 +1,7 @@
 """Server-sent events: splitting timestamped bytes from the socket into timed events.
 
-The transport reads and stamps (perf_counter right after the read); the bytes are parsed
-after their stamp, never between a read and its stamp. The decoder is incremental: a
+The transport reads and stamps (when the read's bytes arrived: loadtests/openai_stream.py);
+the bytes are parsed after their stamp, never between a read and its stamp. The decoder is incremental: a
 streaming client feeds each read as it arrives, so the parsing cost is spread over the
 stream instead of landing at its end (where the ends of many streams at once would
 stall the reads of the others and bend their timestamps).
@@ -37,6 +37,11 @@ class SseDecoder:
         self._data_lines: list[bytes] = []
         self._data_time = 0.0
         self._last_time = 0.0
+
+    @property
+    def idle(self) -> bool:
+        """Between events: no partial line or event waits for more bytes."""
+        return not self._pending and not self._data_lines
 
     def feed(self, read_time: float, piece: bytes) -> list[TimedEvent]:
         self._last_time = read_time
