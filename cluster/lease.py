@@ -30,7 +30,7 @@ class Lease:
         self._watcher: threading.Thread | None = None
 
     def renew(self, seconds: float) -> float:
-        """Push the deadline to now + seconds; returns the seconds left."""
+        """Push the deadline to now + seconds (returns seconds)."""
         if seconds <= 0:
             raise ValueError(f"a lease must be renewed for a positive time, got {seconds}")
         with self._lock:

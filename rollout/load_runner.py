@@ -17,7 +17,6 @@ records file: the controller pins it to its own node.
 from __future__ import annotations
 
 import threading
-import time
 from typing import Any
 
 import ray
@@ -115,16 +114,3 @@ def start_load_runner(
     ray.get(actor.state.remote(), timeout=60)
     return actor
 
-
-def wait_until_ended(actor: Any, timeout_s: float, poll_s: float = 0.5) -> dict[str, Any] | None:
-    """The runner's final state, or None if it is still running after timeout_s (or gone)."""
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        try:
-            state = ray.get(actor.state.remote(), timeout=10)
-        except ray.exceptions.RayError:
-            return None
-        if not state["running"]:
-            return state
-        time.sleep(poll_s)
-    return None
