@@ -23,6 +23,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from cluster.engine_spec import EngineSpec
 from cluster.metrics import MetricsSnapshot
+from cluster.ray_cluster import find_actor, kill_quietly
 from cluster.replica import ReplicaState, ReplicaStatus, VLLMReplica
 
 Progress = Callable[[str], None]
@@ -183,10 +184,7 @@ class Fleet:
         return [(f"{arm.name}-{i}", arm.name) for arm in self.arms for i in range(arm.replicas)]
 
     def _find(self, name: str):
-        try:
-            return ray.get_actor(f"{self.actor_name_prefix or ''}{name}", namespace=self.namespace)
-        except ValueError:  # no actor of that name (never created, or dead)
-            return None
+        return find_actor(f"{self.actor_name_prefix or ''}{name}", namespace=self.namespace)
 
     def attach(self) -> bool:
         """Adopt the named replicas an earlier process started; True only if every one is there and ready.
@@ -276,10 +274,7 @@ class Fleet:
             except Exception as exc:  # an actor already dead: its reaper stops the server
                 self.progress(f"fleet: teardown: {r.name}: {type(exc).__name__}")
         for r in self.replicas:
-            try:
-                ray.kill(r.actor)
-            except Exception:
-                pass
+            kill_quietly(r.actor)
         if self._placement_group is not None:
             remove_placement_group(self._placement_group)
             self._placement_group = None

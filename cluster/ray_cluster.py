@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import os
+from typing import Any
 
 import ray
 
@@ -35,3 +36,19 @@ def connect(address: str | None = "auto", namespace: str | None = None, local_nu
 def disconnect() -> None:
     if ray.is_initialized():
         ray.shutdown()
+
+
+def find_actor(name: str, namespace: str | None = None) -> Any:
+    """The live named actor, or None (never created, or dead: Ray frees a dead actor's name)."""
+    try:
+        return ray.get_actor(name, namespace=namespace)
+    except ValueError:
+        return None
+
+
+def kill_quietly(actor: Any) -> None:
+    """ray.kill an actor that may already be gone."""
+    try:
+        ray.kill(actor)
+    except Exception:  # already gone
+        pass

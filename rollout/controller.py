@@ -44,7 +44,7 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from cluster.fleet import ArmSpec, Fleet, FleetStartError
 from cluster.metrics import SpecDecodeStats
-from cluster.ray_cluster import connect
+from cluster.ray_cluster import connect, find_actor, kill_quietly
 from cluster.router import Router
 from loadtests.options import TrafficOptions
 from loadtests.records import RequestRecord, read_records
@@ -398,10 +398,7 @@ class Controller:
         self.event("router", "ready", self.router_url)
 
     def _find_actor(self, name: str) -> Any:
-        try:
-            return ray.get_actor(name, namespace=self.namespace)
-        except ValueError:
-            return None
+        return find_actor(name, namespace=self.namespace)
 
     def _reattach_router(self, router: Any, urls: dict[str, list[str]]) -> bool:
         """Adopt the router an earlier attempt left (it kept serving at its weights)."""
@@ -410,7 +407,7 @@ class Controller:
         except ray.exceptions.RayError:
             return False
         if not state["url"]:
-            _kill_quietly(router)
+            kill_quietly(router)
             return False
         self.router, self.router_url = router, state["url"]
         ray.get(self.router.set_arms.remote(urls))
@@ -794,7 +791,7 @@ class Controller:
         previous = self._previous_loads() if self.resuming else []
         if len(previous) > 1:
             for actor in previous[:-1]:  # older attempts' loads: their lease will end them; end them now
-                _kill_quietly(actor)
+                kill_quietly(actor)
         if first_step:
             self.say(f"progressive: resuming after step {first_step} of {len(prog.steps)}")
         self.say(
@@ -909,14 +906,14 @@ class Controller:
             self.say(f"keep_fleet: replicas and router left running ({self.router_url}, Ray namespace {self.namespace})")
             return
         for name, actor in list(self._leased.items()):
-            _kill_quietly(actor)
+            kill_quietly(actor)
             self._leased.pop(name)
         if self.router is not None:
             try:
                 ray.get(self.router.stop.remote(), timeout=10)
             except Exception:
                 pass
-            _kill_quietly(self.router)
+            kill_quietly(self.router)
             self.router = None
         if self.fleet is not None:
             self.fleet.teardown()
@@ -960,13 +957,6 @@ class Controller:
         model = self.store.run(self.run_id)["model"]
         self.store.mark_stable(model, self.run_id, self.result.arms[CANARY]["engine"])
         self.event("decide", "stable", f"{path.name} written; stable config for {model}")
-
-
-def _kill_quietly(actor: Any) -> None:
-    try:
-        ray.kill(actor)
-    except Exception:  # already gone
-        pass
 
 
 # -- pure helpers --------------------------------------------------------------

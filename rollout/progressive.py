@@ -52,6 +52,7 @@ from typing import Any
 import ray
 
 from cluster.metrics import MetricsSnapshot, SpecDecodeStats
+from cluster.ray_cluster import kill_quietly
 from loadtests.options import TrafficOptions
 from loadtests.records import RequestRecord
 from loadtests.swarm import SwarmError, SwarmSpec
@@ -190,24 +191,17 @@ class _Load:
             ray.get(self.actor.kill.remote(), timeout=30)
         except ray.exceptions.RayError:
             pass
-        _kill_actor(self.actor)
+        kill_quietly(self.actor)
 
     def finish(self, timeout_s: float) -> str | None:
         """Stop gracefully; the swarm's complaint (or None). Killed if it does not end in time."""
         try:
             state = ray.get(self.actor.finish.remote(timeout_s), timeout=timeout_s + 30)
         except ray.exceptions.RayError as exc:
-            _kill_actor(self.actor)
+            kill_quietly(self.actor)
             return f"the load's actor did not answer: {type(exc).__name__}"
-        _kill_actor(self.actor)
+        kill_quietly(self.actor)
         return state["error"]
-
-
-def _kill_actor(actor: Any) -> None:
-    try:
-        ray.kill(actor)
-    except Exception:  # already gone
-        pass
 
 
 def _default_start_load(spec: SwarmSpec) -> Any:

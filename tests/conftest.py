@@ -34,13 +34,18 @@ def server_processes() -> list[psutil.Process]:
     return found
 
 
-def wait_no_server_processes(timeout_s: float = 30.0) -> list[psutil.Process]:
+def wait_gone(check, timeout_s: float = 30.0) -> list:
+    """What `check()` still finds after up to timeout_s (it is polled until it finds nothing)."""
     deadline = time.monotonic() + timeout_s
-    left = server_processes()
+    left = check()
     while left and time.monotonic() < deadline:
         time.sleep(0.5)
-        left = server_processes()
+        left = check()
     return left
+
+
+def wait_no_server_processes(timeout_s: float = 30.0) -> list[psutil.Process]:
+    return wait_gone(server_processes, timeout_s)
 
 
 def alive(pid: int) -> bool:

@@ -34,7 +34,7 @@ from rollout.config import GuardConfig, ProgressiveConfig, RolloutStep
 from rollout.gates import Decision
 from rollout.progressive import PHASE, ProgressiveContext, ProgressiveOutcome, run_progressive
 from rollout.store import RunStore
-from tests.conftest import REPO
+from tests.conftest import REPO, wait_gone
 
 sys.path.insert(0, str(REPO))
 from benchmarks.stream_target import TargetProcess  # noqa: E402
@@ -65,15 +65,6 @@ def locust_processes(marker: str) -> list[psutil.Process]:
         except (psutil.NoSuchProcess, psutil.AccessDenied):
             pass
     return found
-
-
-def wait_gone(check: Callable[[], list], timeout_s: float = 30.0) -> list:
-    deadline = time.monotonic() + timeout_s
-    left = check()
-    while left and time.monotonic() < deadline:
-        time.sleep(0.5)
-        left = check()
-    return left
 
 
 class Harness:

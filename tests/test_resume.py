@@ -72,10 +72,9 @@ def local_ray():
 
 
 def _named(name: str):
-    try:
-        return ray.get_actor(name)
-    except ValueError:
-        return None
+    from cluster.ray_cluster import find_actor
+
+    return find_actor(name)
 
 
 def test_an_unrenewed_router_and_load_stop_themselves_keeping_every_record(local_ray, tmp_path):
