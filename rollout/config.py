@@ -7,6 +7,7 @@ before anything starts).
 
 from __future__ import annotations
 
+import math
 import os
 from pathlib import Path
 from typing import Any, Literal
@@ -17,6 +18,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from cluster.engine_spec import EngineSpec
 from rollout.evals import EvalSpec
 from rollout.gates import GatesConfig
+from rollout.stats import MAX_PLANNED_LOOKS
 
 BASELINE, CANARY, TWIN = "baseline", "canary", "twin"
 DEFAULT_CACHE = Path(os.environ.get("MTP_CANARY_CACHE", Path.home() / ".cache" / "mtp-canary"))
@@ -92,9 +94,19 @@ class ExperimentConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     enabled: bool = True
-    window_s: int = Field(60, ge=5, description="seconds per window; gates look after every window")
-    max_windows: int = Field(5, ge=1, description="most windows (= planned looks of the sequential gates)")
-    min_windows: int = Field(1, ge=1, description="no early stop before this many windows")
+    # Looks by evidence: one load runs from the first look to the last; a look happens when
+    # every arm has requests_per_look more completed requests (and window_s has passed), and
+    # alpha is spent by the information fraction n / requests_per_arm, so a slow machine gets
+    # the same statistical plan as a fast one, only later.
+    requests_per_look: int = Field(100, ge=5, description="completed requests each arm needs between two looks")
+    requests_per_arm: int = Field(
+        500, ge=5, description="planned requests per arm (information fraction 1: the last look)"
+    )
+    window_s: int = Field(30, ge=1, description="at least this many seconds between two looks")
+    min_looks: int = Field(1, ge=1, description="no early stop before this many looks")
+    max_duration_s: float = Field(
+        1800, gt=0, description="wall-clock cap of the experiment phase: reached before the plan, INCONCLUSIVE"
+    )
     rate_per_replica: float | None = Field(
         None, gt=0, description="open loop: requests/s offered to each replica (default: closed loop)"
     )
@@ -125,10 +137,20 @@ class ExperimentConfig(BaseModel):
             )
         return placement
 
+    @property
+    def planned_looks(self) -> int:
+        return math.ceil(self.requests_per_arm / self.requests_per_look)
+
     @model_validator(mode="after")
     def _looks(self) -> "ExperimentConfig":
-        if self.min_windows > self.max_windows:
-            raise ValueError("min_windows must be <= max_windows")
+        if self.requests_per_look > self.requests_per_arm:
+            raise ValueError("requests_per_look must be <= requests_per_arm")
+        if self.planned_looks > MAX_PLANNED_LOOKS:
+            raise ValueError(
+                f"requests_per_arm / requests_per_look gives {self.planned_looks} looks; at most {MAX_PLANNED_LOOKS}"
+            )
+        if self.min_looks > self.planned_looks:
+            raise ValueError(f"min_looks must be <= the {self.planned_looks} planned looks")
         if self.worker_placement != "local" and self.workers == 0:
             raise ValueError("workers: 0 (one local Locust process) needs worker_placement: local")
         return self

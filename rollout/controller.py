@@ -43,7 +43,6 @@ import requests
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from cluster.fleet import ArmSpec, Fleet, FleetStartError
-from cluster.metrics import SpecDecodeStats
 from cluster.ray_cluster import connect, find_actor, kill_quietly
 from cluster.router import Router
 from loadtests.options import TrafficOptions
@@ -51,18 +50,15 @@ from loadtests.records import RequestRecord, read_records
 from loadtests.swarm import Swarm, SwarmError, SwarmProgress, SwarmSpec
 from rollout.config import BASELINE, CANARY, DEFAULT_CACHE, TWIN, ArmConfig, RolloutConfig
 from rollout.evals import EvalItem, ItemOutcome, evaluate_batch, load_items, outputs_differ
+from rollout.experiment import LOAD_MARGIN_S, LOAD_STOP_TIMEOUT_S, ExperimentContext, ExperimentPhase
 from rollout.gates import (
     Decision,
     GateResult,
-    LatencySamples,
     Verdict,
     decide,
     is_enabled,
-    is_final,
-    judge_acceptance,
     judge_accuracy,
     judge_divergence,
-    judge_latency,
 )
 from rollout.store import RunStore, controller_identity
 from rollout.tiny_checkpoint import TinyCheckpointSpec, ensure_checkpoint
@@ -100,6 +96,7 @@ class RunResult:
     decision: Decision | None = None
     reason: str = ""
     gates: list[GateResult] = field(default_factory=list)
+    prepare: dict[str, Any] = field(default_factory=dict)  # what the run chose before starting: tiny model, cores
     preflight: dict[str, Any] = field(default_factory=dict)
     accuracy: dict[str, Any] = field(default_factory=dict)
     experiment: dict[str, Any] = field(default_factory=dict)
@@ -166,6 +163,7 @@ class Controller:
         self._leased: dict[str, Any] = {}  # extra leased actors (the progressive load), by name
         self._lease_stop = threading.Event()
         self._lease_thread: threading.Thread | None = None
+        self._experiment_capped: str | None = None  # the experiment hit max_duration_s before its plan
 
     # -- bookkeeping -----------------------------------------------------------
     def say(self, message: str) -> None:
@@ -380,6 +378,12 @@ class Controller:
             self.event("fleet", "start", ", ".join(f"{a.name} x{a.replicas}" for a in arms))
             urls = self.fleet.start(timeout_s=cfg.startup_timeout_s)
             self.event("fleet", "ready", f"{sum(len(u) for u in urls.values())} replicas")
+        self.result.prepare["cpu_cores"] = dict(self.fleet.cpu_cores)
+        self.result.prepare["core_sharing"] = self.fleet.core_sharing
+        if self.fleet.core_sharing:
+            self.say(f"fleet: WARNING: {self.fleet.core_sharing}: arms share cores, latency includes their contention")
+        elif any(self.fleet.cpu_cores.values()):
+            self.say("fleet: cores per replica: " + ", ".join(f"{n} -> {c}" for n, c in self.fleet.cpu_cores.items()))
         self.result.timings["fleet_start_s"] = time.monotonic() - t0
 
         if previous_router is not None and self._reattach_router(previous_router, urls):
@@ -554,126 +558,68 @@ class Controller:
 
     # -- experiment ------------------------------------------------------------
     def _experiment(self) -> None:
-        exp, gates_cfg = self.cfg.experiment, self.cfg.gates
+        """One continuous load, looks by evidence (rollout.experiment); results into self.result."""
+        exp = self.cfg.experiment
         replicas = self.cfg.canary.replicas
-        arms_pinned = f"{BASELINE},{CANARY}"
-        max_looks = exp.max_windows
         self.say(
-            f"experiment: up to {exp.max_windows} windows of {exp.window_s} s, "
+            f"experiment: looks every {exp.requests_per_look} completed requests per arm (at least {exp.window_s} s apart), "
+            f"{exp.requests_per_arm} per arm planned ({exp.planned_looks} looks), at most {exp.max_duration_s:g} s; "
             + (
                 f"open loop {exp.rate_per_replica:g} req/s per replica"
                 if exp.rate_per_replica
                 else f"closed loop {exp.users_per_replica} streams per replica"
             )
         )
-        self.event("experiment", "start", f"windows of {exp.window_s} s")
-        t0 = time.monotonic()
-        records: list[RequestRecord] = []
-        windows_of: list[int] = []
-        spec_delta: dict[str, SpecDecodeStats] = {}
-        unscraped: set[str] = set()
-        generator_warnings: list[str] = []
-        latency_gates: list[GateResult] = []
-        acceptance_gate: GateResult | None = None
-        window_summaries = []
-        for window in range(1, exp.max_windows + 1):
-            before = self.fleet.metrics()
-            result = self._run_window(window, arms_pinned, replicas)
-            after = self.fleet.metrics()
-            window_records = read_records(result.records_path)
-            if result.generator.generator_limited:
-                # The generator, not the server, limited the load: the window still counts,
-                # but the report must say its latencies include client-side delay.
-                for warning in result.generator.warnings:
-                    generator_warnings.append(f"window {window}: {warning}")
-                    self.say(f"experiment: load generator limited: {warning}")
-            stored = self.store.add_request_samples(self.run_id, "experiment", window, window_records)
-            if stored != len(window_records):
-                raise InfrastructureError(f"experiment: window {window} had duplicate request ids")
-            records += window_records
-            windows_of += [window] * len(window_records)
-            for handle in self.fleet.replicas:
-                if handle.arm == TWIN:
-                    continue
-                if handle.name not in before or handle.name not in after:
-                    # A replica that vanished: its arm's acceptance is unknown, not zero.
-                    unscraped.add(handle.arm)
-                    continue
-                delta = after[handle.name].delta(before[handle.name])
-                spec_delta[handle.arm] = spec_delta.get(handle.arm, SpecDecodeStats()) + delta.spec_decode
-            baseline = _latency_samples(records, windows_of, BASELINE)
-            canary = _latency_samples(records, windows_of, CANARY)
-            latency_gates = judge_latency(baseline, canary, gates_cfg, look=window, max_looks=max_looks)
-            canary_sd = spec_delta.get(CANARY, SpecDecodeStats())
-            acceptance_gate = judge_acceptance(
-                None if CANARY in unscraped else canary_sd.mean_acceptance_length, int(canary_sd.drafts), gates_cfg
+        self.event("experiment", "start", f"looks every {exp.requests_per_look} requests per arm")
+        out = self.run_dir / "experiment"
+        traffic = self._pinned_traffic(
+            out / "records.jsonl",
+            tag="experiment",
+            seed=exp.seed + 1,
+            arm_pin=f"{BASELINE},{CANARY}",
+            rate=exp.rate_per_replica * 2 * replicas if exp.rate_per_replica else None,
+        )
+        spec = self._swarm_spec(
+            traffic, exp.users_per_replica * 2 * replicas, int(exp.max_duration_s + LOAD_MARGIN_S), out / "locust"
+        ).model_copy(update={"stop_timeout_s": LOAD_STOP_TIMEOUT_S})
+        if exp.web_ui:
+            self.say(f"experiment: Locust web UI at http://{spec.web_host}:{spec.web_port} until the last look")
+        phase = ExperimentPhase(
+            ExperimentContext(
+                run_id=self.run_id,
+                config=exp,
+                gates=self.cfg.gates,
+                store=self.store,
+                swarm_spec=spec,
+                placement=exp.worker_placement,
+                scrape=self.fleet.metrics,
+                replica_arms={h.name: h.arm for h in self.fleet.replicas},
+                router=self.router,
+                speculative_canary=self.engines[CANARY].num_speculative_tokens > 0,
+                say=self.say,
+                event=lambda event, reason: self.event("experiment", event, reason),
+                aborted=lambda: self._aborted("experiment"),
             )
-            if CANARY not in unscraped and self.engines[CANARY].num_speculative_tokens > 0 and canary_sd.drafts <= 0:
-                acceptance_gate = acceptance_gate.model_copy(
-                    update={"verdict": Verdict.FAIL, "detail": "the speculative canary made no drafts under load"}
-                )
-            window_gates = latency_gates + [acceptance_gate]
-            self.store.put_phase_result(
-                self.run_id, "experiment", window, [g.model_dump(mode="json") for g in window_gates]
-            )
-            summary = {
-                "window": window,
-                "requests": {arm: int(np.sum([r.arm == arm for r in window_records])) for arm in (BASELINE, CANARY)},
-                "verdicts": {g.name: g.verdict.value for g in window_gates},
-            }
-            window_summaries.append(summary)
-            self.say(
-                f"experiment: window {window}/{exp.max_windows} | requests baseline {baseline.n_total} canary {canary.n_total}"
-                f" | TPOT p50 ms baseline {_p(baseline.tpot_s, 50)} canary {_p(canary.tpot_s, 50)}"
-                f" | acceptance length {_fmt(canary_sd.mean_acceptance_length)} | "
-                + ", ".join(f"{g.name}: {g.verdict.value}" for g in window_gates)
-            )
-            self.event("experiment", "window", f"window {window}: " + ", ".join(f"{k}={v}" for k, v in summary["verdicts"].items()))
-            if self._aborted("experiment"):
-                break
-            if window >= exp.min_windows and is_final(window_gates, gates_cfg):
-                if window < exp.max_windows:
-                    self.say(f"experiment: verdict reached after window {window}, stopping early")
-                break
-        self.result.spec_decode = {arm: stats.to_dict() for arm, stats in spec_delta.items()}
-        for arm, stats in spec_delta.items():
+        )
+        outcome = phase.run()
+        self._experiment_capped = outcome.capped_reason
+        records = outcome.records
+        self.result.spec_decode = {arm: stats.to_dict() for arm, stats in outcome.spec_decode.items()}
+        for arm, stats in outcome.spec_decode.items():
             k = self.engines[arm].num_speculative_tokens
             if k > 1 and stats.per_position_rate:
                 self.result.spec_decode[arm]["expected_length_by_k"] = {
                     str(kk): stats.expected_length_for_k(kk) for kk in range(1, k + 1)
                 }
         self.result.experiment = {
-            "windows": window_summaries,
-            "requests": {arm: _latency_samples(records, windows_of, arm).n_total for arm in (BASELINE, CANARY)},
+            **outcome.summary,
             "latency_ms": {arm: _latency_summary(records, arm) for arm in (BASELINE, CANARY)},
-            "client_tokens_per_chunk": {arm: _mean([r.decode_tokens_per_chunk for r in records if r.arm == arm]) for arm in (BASELINE, CANARY)},
-            "generator_send_lag_p99_ms": _p([r.send_lag_s for r in records if r.send_lag_s is not None], 99),
-            "generator_warnings": generator_warnings,
-            "duration_s": time.monotonic() - t0,
+            "client_tokens_per_chunk": {
+                arm: _mean([r.decode_tokens_per_chunk for r in records if r.arm == arm]) for arm in (BASELINE, CANARY)
+            },
+            "stopped_by": "abort" if outcome.aborted else "max_duration_s" if outcome.capped_reason else "evidence",
         }
-        self.result.gates += latency_gates + ([acceptance_gate] if acceptance_gate else [])
-        self.event("experiment", "done", ", ".join(f"{g.name}={g.verdict.value}" for g in latency_gates))
-
-    def _run_window(self, window: int, arm_pin: str, replicas: int):
-        exp = self.cfg.experiment
-        window_dir = self.run_dir / "experiment" / f"window-{window}"
-        traffic = self._pinned_traffic(
-            window_dir / "records.jsonl",
-            tag=f"experiment-w{window}",
-            seed=exp.seed + window,
-            arm_pin=arm_pin,
-            rate=exp.rate_per_replica * 2 * replicas if exp.rate_per_replica else None,
-        )
-        users = exp.users_per_replica * 2 * replicas
-        spec = self._swarm_spec(traffic, users, exp.window_s, window_dir)
-        last = [0.0]
-
-        def on_progress(p: SwarmProgress) -> None:
-            if p.elapsed_s - last[0] >= 15:
-                last[0] = p.elapsed_s
-                self.say(f"experiment: window {window} {p.phase} {p.elapsed_s:.0f}/{exp.window_s} s, {p.requests_done} requests done, {p.requests_failed} failed")
-
-        return self._run_swarm(spec, on_progress)
+        self.result.gates += outcome.gates
 
     def _pinned_traffic(self, records: Path, **options: Any) -> TrafficOptions:
         """The experiment's prompts and lengths (exact output lengths: ignore_eos) plus `options`."""
@@ -769,6 +715,8 @@ class Controller:
             reason = "failed: " + ", ".join(failed)
         else:
             reason = "not enough evidence: " + ", ".join(open_) if open_ else "no gate was judged"
+            if self._experiment_capped:
+                reason = f"{self._experiment_capped}; {reason}"
         self.result.decision, self.result.reason = decision, reason
 
     # -- progressive -----------------------------------------------------------
@@ -960,21 +908,6 @@ class Controller:
 
 
 # -- pure helpers --------------------------------------------------------------
-def _latency_samples(records: list[RequestRecord], windows_of: list[int], arm: str) -> LatencySamples:
-    """Per-request samples of one arm; requests cut off by the window's end are not samples."""
-    mine = [(r, w) for r, w in zip(records, windows_of) if r.arm == arm or (r.arm is None and r.pinned_arm == arm)]
-    mine = [(r, w) for r, w in mine if not r.cancelled]
-    ok = [(r, w) for r, w in mine if r.ok and r.ttft_s is not None and r.tpot_s is not None]
-    return LatencySamples(
-        ttft_s=np.array([r.ttft_s for r, _ in ok], dtype=float),
-        tpot_s=np.array([r.tpot_s for r, _ in ok], dtype=float),
-        e2e_s=np.array([r.e2e_s for r, _ in ok], dtype=float),
-        n_errors=sum(1 for r, _ in mine if not r.ok),
-        n_total=len(mine),
-        window=np.array([w for _, w in ok], dtype=int),
-    )
-
-
 def _latency_summary(records: list[RequestRecord], arm: str) -> dict[str, float | None]:
     ok = [r for r in records if r.arm == arm and r.ok and not r.cancelled]
     out: dict[str, float | None] = {}
@@ -996,7 +929,3 @@ def _p(values, q: float) -> float | None:
 def _mean(values) -> float | None:
     vals = [v for v in values if v is not None]
     return float(np.mean(vals)) if vals else None
-
-
-def _fmt(value: float | None) -> str:
-    return "n/a" if value is None else f"{value:.2f}"

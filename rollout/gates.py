@@ -261,8 +261,26 @@ def _resolve_look(look: int, max_looks: int | None, cfg: GatesConfig) -> tuple[i
     return min(look, planned), planned, note
 
 
-def _z(alpha: float, look: int, planned: int, cfg: GatesConfig) -> float:
-    return stats.critical_value(alpha, look, planned, cfg.spending)
+def _z(alpha: float, look: int, planned: int, cfg: GatesConfig, information: Sequence[float] | None = None) -> float:
+    """Critical z of `look`: on the planned equal grid, or at the observed information fractions."""
+    if information is None:
+        return stats.critical_value(alpha, look, planned, cfg.spending)
+    if alpha <= 0.0:
+        return math.inf
+    return float(stats.boundaries_at_information(alpha, information[:look], cfg.spending)[-1])
+
+
+def _resolve_information(
+    look: int, max_looks: int | None, cfg: GatesConfig, information: Sequence[float] | None
+) -> tuple[int, int, str, tuple[float, ...] | None]:
+    """(boundary look, planned looks, note, fractions): `information` (one fraction per look so far) wins."""
+    if information is None:
+        return (*_resolve_look(look, max_looks, cfg), None)
+    fractions = tuple(float(t) for t in information)
+    if len(fractions) != look:
+        raise ValueError(f"information needs one fraction per look: {len(fractions)} given at look {look}")
+    planned = int(max_looks if max_looks is not None else look)
+    return look, max(planned, look), f" Information fraction {fractions[-1]:.3f}.", fractions
 
 
 def _finite_or_none(value: float | np.floating | None) -> float | None:
@@ -610,6 +628,7 @@ def _quantile_ratio_gate(
     boundary_look: int,
     planned: int,
     fail_levels: Sequence[float],
+    information: Sequence[float] | None = None,
 ) -> dict:
     """Repeated-CI bounds for one quantile ratio, at the pass level and each fail level.
 
@@ -636,13 +655,13 @@ def _quantile_ratio_gate(
     log_c = np.array([cl.log_quantile if cl else nan for cl in c_looks])
     se_c = np.array([cl.se if cl else nan for cl in c_looks])
 
-    z_pass = np.array([_z(cfg.alpha, lk, planned, cfg) for lk in looks])
+    z_pass = np.array([_z(cfg.alpha, lk, planned, cfg, information) for lk in looks])
     log_ratio, _, _, upper_own = stats.log_ratio_interval(log_b, se_b, log_c, se_c, np.inf, z_pass)
     _, upper = cumulative_bounds(np.full_like(upper_own, -np.inf), upper_own, usable)
 
     lowers = []
     for level in fail_levels:
-        z_fail = np.array([_z(level, lk, planned, cfg) for lk in looks])
+        z_fail = np.array([_z(level, lk, planned, cfg, information) for lk in looks])
         _, _, lower_own, _ = stats.log_ratio_interval(log_b, se_b, log_c, se_c, z_fail, np.inf)
         lower, _ = cumulative_bounds(lower_own, np.full_like(lower_own, np.inf), usable)
         lowers.append(float(lower[-1]))
@@ -668,17 +687,17 @@ def _quantile_ratio_gate(
 
 def _error_rate_numbers(
     baseline: LatencySamples, canary: LatencySamples, cfg: GatesConfig, boundary_look: int, planned: int,
-    fail_levels: Sequence[float],
+    fail_levels: Sequence[float], information: Sequence[float] | None = None,
 ) -> dict:
     nb, nc = int(baseline.n_total), int(canary.n_total)
     eb, ec = int(baseline.n_errors), int(canary.n_errors)
     if nb < 1 or nc < 1:
         return dict(usable=False, can_fail=False, nb=nb, nc=nc, eb=eb, ec=ec)
-    z_pass = _z(cfg.alpha, boundary_look, planned, cfg)
+    z_pass = _z(cfg.alpha, boundary_look, planned, cfg, information)
     diff, _, upper = stats.newcombe_difference_interval(eb, nb, ec, nc, np.inf, z_pass)
     lowers = []
     for level in fail_levels:
-        _, lower, _ = stats.newcombe_difference_interval(eb, nb, ec, nc, _z(level, boundary_look, planned, cfg), np.inf)
+        _, lower, _ = stats.newcombe_difference_interval(eb, nb, ec, nc, _z(level, boundary_look, planned, cfg, information), np.inf)
         lowers.append(float(lower))
     return dict(
         usable=min(nb, nc) >= cfg.min_requests_per_arm,
@@ -706,6 +725,7 @@ def judge_latency(
     cfg: GatesConfig,
     look: int = 1,
     max_looks: int | None = None,
+    information: Sequence[float] | None = None,
 ) -> list[GateResult]:
     """Latency objective and guardrails from per-request samples.
 
@@ -717,8 +737,12 @@ def judge_latency(
     rollback side is Holm-adjusted across the enabled guardrails; the promote
     side of each gate is at alpha (intersection-union). Fewer than
     ``min_requests_per_arm`` samples in an arm: inconclusive.
+
+    ``information``, when given, holds the information fraction (requests so
+    far / requests planned) of every look 1..look: alpha is then spent at
+    those fractions (looks by evidence) instead of on ``max_looks`` equal steps.
     """
-    boundary_look, planned, note = _resolve_look(look, max_looks, cfg)
+    boundary_look, planned, note, information = _resolve_information(look, max_looks, cfg, information)
     results: list[GateResult] = []
     alpha = cfg.alpha
 
@@ -755,7 +779,7 @@ def judge_latency(
         threshold = 1.0 - cfg.tpot_p50_min_improvement
         numbers = _quantile_ratio_gate(
             name=OBJECTIVE_NAME, metric="tpot_p50_ratio", q=0.5, field="tpot_s", baseline=baseline, canary=canary,
-            threshold=threshold, cfg=cfg, look=look, boundary_look=boundary_look, planned=planned, fail_levels=[alpha],
+            threshold=threshold, cfg=cfg, look=look, boundary_look=boundary_look, planned=planned, information=information, fail_levels=[alpha],
         )
         code = int(upper_is_good_verdict(numbers["lowers"][0], numbers["upper"], numbers["log_threshold"], numbers["usable"], numbers["usable"]))
         verdict = _CODE_TO_VERDICT[code]
@@ -779,18 +803,18 @@ def judge_latency(
         if name == "ttft_p95_guard":
             numbers_by_gate[name] = _quantile_ratio_gate(
                 name=name, metric="ttft_p95_ratio", q=0.95, field="ttft_s", baseline=baseline, canary=canary,
-                threshold=cfg.ttft_p95_max_ratio, cfg=cfg, look=look, boundary_look=boundary_look, planned=planned,
+                threshold=cfg.ttft_p95_max_ratio, cfg=cfg, look=look, boundary_look=boundary_look, planned=planned, information=information,
                 fail_levels=levels,
             )
         elif name == "e2e_p95_guard":
             assert cfg.e2e_p95_max_ratio is not None
             numbers_by_gate[name] = _quantile_ratio_gate(
                 name=name, metric="e2e_p95_ratio", q=0.95, field="e2e_s", baseline=baseline, canary=canary,
-                threshold=cfg.e2e_p95_max_ratio, cfg=cfg, look=look, boundary_look=boundary_look, planned=planned,
+                threshold=cfg.e2e_p95_max_ratio, cfg=cfg, look=look, boundary_look=boundary_look, planned=planned, information=information,
                 fail_levels=levels,
             )
         else:
-            numbers_by_gate[name] = _error_rate_numbers(baseline, canary, cfg, boundary_look, planned, levels)
+            numbers_by_gate[name] = _error_rate_numbers(baseline, canary, cfg, boundary_look, planned, levels, information)
 
     crossings = np.zeros((m, m), dtype=bool)
     for j, name in enumerate(guardrails):

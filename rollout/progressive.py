@@ -41,7 +41,6 @@ guards judge the canary against absolute SLOs only.
 
 from __future__ import annotations
 
-import json
 import math
 import time
 from collections.abc import Callable
@@ -54,14 +53,14 @@ import ray
 from cluster.metrics import MetricsSnapshot, SpecDecodeStats
 from cluster.ray_cluster import kill_quietly
 from loadtests.options import TrafficOptions
-from loadtests.records import RequestRecord
+from loadtests.records import RecordsTail, RequestRecord
 from loadtests.swarm import SwarmError, SwarmSpec
 from rollout.config import BASELINE, CANARY, ProgressiveConfig, RolloutStep
 from rollout.gates import Decision, GateResult, Verdict
 from rollout.guards import enabled_guard_names, judge_guard_window
 from rollout.store import RunStore
 
-__all__ = ["ProgressiveContext", "ProgressiveOutcome", "RecordsTail", "run_progressive", "PHASE", "STEP_PHASE"]
+__all__ = ["ProgressiveContext", "ProgressiveOutcome", "run_progressive", "PHASE", "STEP_PHASE"]
 
 PHASE = "progressive"  # phase name of events, window results and request samples
 ROUTER_LEDGER = "progressive_router"  # phase_results look 1: the router's counts when the phase first began
@@ -127,36 +126,6 @@ def run_progressive(ctx: ProgressiveContext) -> ProgressiveOutcome:
     Raises SwarmError when the load generator fails mid-phase (infrastructure: no verdict).
     """
     return _Phase(ctx).run()
-
-
-# -- reading the master's records file as it grows --------------------------------
-class RecordsTail:
-    """New complete lines of a growing JSONL records file, as RequestRecords."""
-
-    def __init__(self, path: Path) -> None:
-        self.path = Path(path)
-        self._offset = 0
-        self._partial = b""
-        self.bad_lines = 0
-
-    def read(self) -> list[RequestRecord]:
-        try:
-            with open(self.path, "rb") as f:
-                f.seek(self._offset)
-                data = f.read()
-        except FileNotFoundError:
-            return []
-        self._offset += len(data)
-        *lines, self._partial = (self._partial + data).split(b"\n")
-        out = []
-        for line in lines:
-            if not line.strip():
-                continue
-            try:
-                out.append(RequestRecord.model_validate(json.loads(line)))
-            except ValueError:
-                self.bad_lines += 1
-        return out
 
 
 def ended_at(record: RequestRecord) -> float:

@@ -51,6 +51,7 @@ def decision_document(result: "RunResult") -> dict[str, Any]:
             for arm, sd in result.spec_decode.items()
         },
         "arms": result.arms,
+        "prepare": result.prepare,
         "preflight": result.preflight,
         "accuracy": result.accuracy,
         "experiment": result.experiment,
@@ -89,6 +90,13 @@ def markdown_report(doc: dict[str, Any]) -> str:
         lines.append(
             f"| {arm} | {info['replicas']} | `{engine['model']}` | `{json.dumps(engine.get('speculative_config'))}` |"
         )
+    prepare = doc.get("prepare") or {}
+    if prepare.get("tiny_model"):
+        lines += ["", f"Tiny model: {prepare['tiny_model'].get('reason', prepare['tiny_model'])}"]
+    if prepare.get("core_sharing"):
+        lines += ["", f"**Arms share CPU cores**: {prepare['core_sharing']}; latencies include their contention."]
+    elif any((prepare.get("cpu_cores") or {}).values()):
+        lines += ["", "CPU cores per replica: " + ", ".join(f"{n} -> {c}" for n, c in prepare["cpu_cores"].items())]
     lines += ["", "## Gates", "", "| gate | metric | baseline | canary | estimate | interval | threshold | verdict |"]
     lines.append("|---|---|---|---|---|---|---|---|")
     for g in doc["gates"]:
@@ -124,6 +132,13 @@ def markdown_report(doc: dict[str, Any]) -> str:
                 f"| {_num(exp['client_tokens_per_chunk'].get(arm), 2)} |"
             )
         lines.append(f"\nGenerator send lag p99: {_num(exp.get('generator_send_lag_p99_ms'), 1)} ms")
+        if exp.get("looks"):
+            lines.append(
+                f"\nOne continuous load: {len(exp['looks'])} of {exp.get('planned_looks')} planned looks "
+                f"(every {exp.get('requests_per_look')} requests per arm; information {_num(exp.get('information'))}), "
+                f"stopped by {exp.get('stopped_by')}; duty cycle {_num(exp.get('duty_cycle'))}; "
+                f"router received {exp.get('requests_received')} requests, {exp.get('records_stored')} records stored."
+            )
         if exp.get("generator_warnings"):
             lines += ["", "**The load generator limited the load** (latencies include client-side delay):", ""]
             lines += [f"- {w}" for w in exp["generator_warnings"]]

@@ -83,6 +83,7 @@ Several guardrails -- Holm's step-down procedure (Holm 1979, Scand. J.
 from __future__ import annotations
 
 import math
+from collections.abc import Sequence
 from functools import lru_cache
 from typing import Literal
 
@@ -94,6 +95,7 @@ __all__ = [
     "spent_alpha",
     "sequential_boundaries",
     "critical_value",
+    "boundaries_at_information",
     "log_quantile_with_se",
     "log_ratio_interval",
     "tango_z",
@@ -139,7 +141,13 @@ def spent_alpha(t: np.ndarray | float, alpha: float, spending: SpendingFunction 
 
 @lru_cache(maxsize=512)
 def _boundaries_cached(alpha: float, max_looks: int, spending: str) -> tuple[float, ...]:
-    info = np.arange(1, max_looks + 1) / max_looks
+    return _boundaries_at_cached(alpha, tuple(float(k) / max_looks for k in range(1, max_looks + 1)), spending)
+
+
+@lru_cache(maxsize=2048)
+def _boundaries_at_cached(alpha: float, fractions: tuple[float, ...], spending: str) -> tuple[float, ...]:
+    info = np.asarray(fractions, dtype=float)
+    max_looks = info.size
     cumulative = spent_alpha(info, alpha, spending)  # type: ignore[arg-type]
     increments = np.diff(np.concatenate([[0.0], cumulative]))
 
@@ -208,6 +216,28 @@ def sequential_boundaries(
     if not 1 <= max_looks <= MAX_PLANNED_LOOKS:
         raise ValueError(f"max_looks must be in [1, {MAX_PLANNED_LOOKS}], got {max_looks}")
     return np.array(_boundaries_cached(float(alpha), int(max_looks), str(spending)))
+
+
+def boundaries_at_information(
+    alpha: float, fractions: Sequence[float], spending: SpendingFunction = "obrien_fleming"
+) -> np.ndarray:
+    """One-sided critical z values for looks at the observed information fractions.
+
+    Lan-DeMets: the boundary of look k depends only on t_1..t_k, so a
+    controller that looks when the data arrive (not on a fixed grid) spends
+    alpha(t_k) - alpha(t_{k-1}) at look k. ``fractions`` must increase
+    strictly within (0, 1]; a last fraction below 1 leaves alpha unspent
+    (conservative), one at 1 spends all of it.
+    """
+    if not 0.0 < alpha < 1.0:
+        raise ValueError(f"alpha must be in (0, 1), got {alpha}")
+    # rounded so that cached schedules are shared; 1e-4 of information is far below any look's step
+    info = tuple(round(float(t), 4) for t in fractions)
+    if not info or len(info) > MAX_PLANNED_LOOKS:
+        raise ValueError(f"between 1 and {MAX_PLANNED_LOOKS} information fractions are needed, got {len(info)}")
+    if info[0] <= 0.0 or info[-1] > 1.0 or any(b <= a for a, b in zip(info, info[1:])):
+        raise ValueError(f"information fractions must increase strictly within (0, 1], got {info}")
+    return np.array(_boundaries_at_cached(float(alpha), info, str(spending)))
 
 
 def critical_value(

@@ -36,7 +36,11 @@ def test_the_gpu_target_config_is_mimo_v25_at_tensor_parallel_4():
     [
         (minimal(unknown_key=1), "unknown_key"),
         (minimal(canary={"replicas": 2, "tiny_model": {}, "engine": {"device": "cpu"}}), "replicas"),
-        (minimal(experiment={"window_s": 1}), "experiment.window_s"),
+        (minimal(experiment={"window_s": 0}), "experiment.window_s"),
+        (minimal(experiment={"requests_per_look": 200, "requests_per_arm": 100}), "requests_per_look"),
+        (minimal(experiment={"requests_per_look": 5, "requests_per_arm": 1000}), "at most 50"),
+        (minimal(experiment={"max_duration_s": 0}), "experiment.max_duration_s"),
+        (minimal(experiment={"min_looks": 9}), "min_looks"),
         (minimal(gates={"alpha": 2}), "gates.alpha"),
         (minimal(name="bad name"), "name"),
         (minimal(baseline={"engine": {"device": "cpu"}}), "baseline.engine.model"),

@@ -1,0 +1,431 @@
+"""The experiment phase: one continuous load, looks by evidence, the sequential latency judgement.
+
+    one Locust swarm (master + workers, web UI when asked) through the router,
+    both arms pinned alternately with the same prompts, from the first look to the last
+    a look happens when every arm has `requests_per_look` more completed requests
+        (and at least `window_s` passed since the previous look); alpha is spent
+        at the observed information fraction min_arm(n) / `requests_per_arm`
+    each look: commit the look's records, scrape /metrics (acceptance since the
+        phase began), judge latency + acceptance, commit the verdicts, THEN act
+    stop early when every gate is decided (after `min_looks`), at information 1,
+    on an abort command, or at `max_duration_s` (INCONCLUSIVE, with the counts)
+    the load then stops gracefully: records that arrive after the last look are
+    stored under one more look index that has no verdict (none is lost)
+
+A look is a slice of the records stream, never a new swarm: no start-up or drain
+between looks, requests in flight at a look belong to the next one, and the web UI
+stays at one URL. Why looks by requests rather than by the clock: the same plan (and
+the same error control) holds on a machine 4x slower, which only takes longer.
+
+The phase gathers data and calls the pure judges in `rollout.gates`; it owns no
+statistics.
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass, field
+from typing import Any
+
+import numpy as np
+import ray
+
+from cluster.metrics import MetricsSnapshot, SpecDecodeStats
+from loadtests.records import RecordsTail, RequestRecord
+from loadtests.swarm import Swarm, SwarmError, SwarmResult, SwarmSpec
+from rollout.config import BASELINE, CANARY, TWIN, ExperimentConfig
+from rollout.distributed_load import DistributedSwarm
+from rollout.gates import GateResult, GatesConfig, LatencySamples, Verdict, is_final, judge_acceptance, judge_latency
+from rollout.store import RunStore
+
+PHASE = "experiment"
+TICK_S = 0.25  # the loop's heartbeat: records, commands
+PROGRESS_EVERY_S = 15.0
+LOAD_STOP_TIMEOUT_S = 10.0  # requests in flight when the load stops get this long, then are cancelled records
+LOAD_MARGIN_S = 300.0  # the swarm's own run time beyond max_duration_s: the phase, not Locust, ends the load
+FIRST_RECORD_TIMEOUT_S = 300.0  # a load that delivers no record at all in this long is broken
+
+
+# -- the plan (pure) --------------------------------------------------------------
+@dataclass(frozen=True)
+class LookPlan:
+    """When to look and how much information a look carries."""
+
+    requests_per_look: int
+    requests_per_arm: int
+    min_interval_s: float
+    min_looks: int
+    max_duration_s: float
+
+    @classmethod
+    def of(cls, exp: ExperimentConfig) -> "LookPlan":
+        return cls(exp.requests_per_look, exp.requests_per_arm, float(exp.window_s), exp.min_looks, exp.max_duration_s)
+
+    @property
+    def planned_looks(self) -> int:
+        return math.ceil(self.requests_per_arm / self.requests_per_look)
+
+    def information(self, totals: dict[str, int]) -> float:
+        """Information fraction: the least-served arm's completed requests over the plan (capped at 1)."""
+        return min(1.0, min(totals.values()) / self.requests_per_arm) if totals else 0.0
+
+    def look_due(self, new: dict[str, int], totals: dict[str, int], since_last_s: float) -> bool:
+        """Every arm has requests_per_look more (or has reached the plan), and window_s has passed."""
+        if not new or since_last_s < self.min_interval_s or min(new.values()) < 1:
+            return False
+        return all(n >= self.requests_per_look for n in new.values()) or self.information(totals) >= 1.0
+
+
+def completed(records: Sequence[RequestRecord], arm: str) -> int:
+    """Requests of `arm` that ended (ok or failed); cut-off (cancelled) requests are not evidence."""
+    return sum(1 for r in records if record_arm(r) == arm and not r.cancelled)
+
+
+def record_arm(record: RequestRecord) -> str | None:
+    return record.arm if record.arm is not None else record.pinned_arm
+
+
+def latency_samples(records: Sequence[RequestRecord], looks_of: Sequence[int], arm: str) -> LatencySamples:
+    """Per-request samples of one arm with the look each arrived in; cancelled requests are not samples."""
+    mine = [(r, w) for r, w in zip(records, looks_of) if record_arm(r) == arm and not r.cancelled]
+    ok = [(r, w) for r, w in mine if r.ok and r.ttft_s is not None and r.tpot_s is not None]
+    return LatencySamples(
+        ttft_s=np.array([r.ttft_s for r, _ in ok], dtype=float),
+        tpot_s=np.array([r.tpot_s for r, _ in ok], dtype=float),
+        e2e_s=np.array([r.e2e_s for r, _ in ok], dtype=float),
+        n_errors=sum(1 for r, _ in mine if not r.ok),
+        n_total=len(mine),
+        window=np.array([w for _, w in ok], dtype=int),
+    )
+
+
+def duty_cycle(records: Sequence[RequestRecord], start: float, end: float) -> float | None:
+    """Share of [start, end] (wall clock) during which at least one request was in flight.
+
+    The windowed design it replaces left gaps (a swarm's start-up and drain per window);
+    one continuous load keeps this near 1.
+    """
+    if end <= start:
+        return None
+    spans = sorted((max(start, r.sent_at), min(end, r.sent_at + r.e2e_s)) for r in records)
+    covered, cursor = 0.0, start
+    for lo, hi in spans:
+        lo = max(lo, cursor)
+        if hi > lo:
+            covered += hi - lo
+            cursor = hi
+    return covered / (end - start)
+
+
+def router_request_counts(router: Any) -> dict[str, int]:
+    """Requests the router received per arm (routed + rejected); {} when it does not answer."""
+    try:
+        state = ray.get(router.get_state.remote(), timeout=10)
+    except Exception:
+        return {}
+    return {arm: int(c["routed"]) + int(c["rejected"]) for arm, c in state["arm_counts"].items()}
+
+
+# -- the load -----------------------------------------------------------------------
+class ContinuousLoad:
+    """One swarm run in a thread for the whole phase; its records are read as they arrive."""
+
+    def __init__(self, spec: SwarmSpec, placement: str) -> None:
+        self.spec = spec
+        if placement == "local" or spec.n_workers == 0:
+            self._swarm = Swarm(spec)
+        else:
+            self._swarm = DistributedSwarm(spec, placement).swarm
+        self.tail = RecordsTail(spec.records_path)
+        self._result: SwarmResult | None = None
+        self._error: BaseException | None = None
+        self._thread = threading.Thread(target=self._run, name="experiment-load", daemon=True)
+        self.started_at = 0.0
+        self.stop_requested_at: float | None = None
+
+    def _run(self) -> None:
+        try:
+            self._result = self._swarm.run()
+        except BaseException as exc:  # reported by check() / finish()
+            self._error = exc
+
+    def start(self) -> None:
+        self.started_at = time.time()
+        self._thread.start()
+
+    def check(self) -> None:
+        """Raise if the load ended before the phase asked it to."""
+        if self._thread.is_alive() or self.stop_requested_at is not None:
+            return
+        if self._error is not None:
+            raise SwarmError(f"the experiment's load failed: {self._error}") from self._error
+        raise SwarmError("the experiment's load ended before the phase did")
+
+    def finish(self) -> SwarmResult:
+        """Stop gracefully (in-flight requests get the stop timeout) and return the checked result."""
+        if self.stop_requested_at is None:
+            self.stop_requested_at = time.time()
+        self._swarm.stop()
+        self._thread.join(self.spec.startup_timeout_s + self.spec.stop_timeout_s + self.spec.traffic.flush_timeout_s + 90)
+        if self._thread.is_alive():
+            self.kill()
+            raise SwarmError(f"the experiment's load did not stop; logs in {self.spec.logs}")
+        if self._error is not None:
+            raise SwarmError(f"the experiment's load failed: {self._error}") from self._error
+        assert self._result is not None
+        return self._result
+
+    def kill(self) -> None:
+        try:
+            self._swarm.kill()
+        except Exception:  # already gone
+            pass
+        self._thread.join(15)
+
+
+# -- the phase ----------------------------------------------------------------------
+@dataclass
+class ExperimentContext:
+    """What the phase needs from the controller (callables keep it testable)."""
+
+    run_id: str
+    config: ExperimentConfig
+    gates: GatesConfig
+    store: RunStore
+    swarm_spec: SwarmSpec  # the continuous load (run time > max_duration_s; the phase stops it)
+    placement: str
+    scrape: Callable[[], dict[str, MetricsSnapshot]]
+    replica_arms: dict[str, str]  # replica name -> arm
+    router: Any
+    speculative_canary: bool
+    say: Callable[[str], None]
+    event: Callable[[str, str], None]
+    aborted: Callable[[], bool]
+
+
+@dataclass
+class ExperimentOutcome:
+    gates: list[GateResult]
+    summary: dict[str, Any]
+    spec_decode: dict[str, SpecDecodeStats]
+    capped_reason: str | None = None  # max_duration_s reached before the plan
+    aborted: bool = False
+    records: list[RequestRecord] = field(default_factory=list)
+
+
+class ExperimentPhase:
+    def __init__(self, ctx: ExperimentContext) -> None:
+        self.ctx = ctx
+        self.plan = LookPlan.of(ctx.config)
+        self.records: list[RequestRecord] = []
+        self.looks_of: list[int] = []
+        self.pending: list[RequestRecord] = []
+        self.fractions: list[float] = []
+        self.look_summaries: list[dict[str, Any]] = []
+        self.gates: list[GateResult] = []
+        self.spec_delta: dict[str, SpecDecodeStats] = {}
+        self.unscraped: set[str] = set()
+        self.metrics_start: dict[str, MetricsSnapshot] = {}
+        self._last_look_wall: float | None = None
+
+    @property
+    def arms(self) -> tuple[str, str]:
+        return (BASELINE, CANARY)
+
+    def say(self, message: str) -> None:
+        self.ctx.say(f"experiment: {message}")
+
+    def run(self) -> ExperimentOutcome:
+        ctx, plan = self.ctx, self.plan
+        started = time.monotonic()
+        self.metrics_start = ctx.scrape()
+        router_before = router_request_counts(ctx.router)
+        load = ContinuousLoad(ctx.swarm_spec, ctx.placement)
+        load.start()
+        capped_reason: str | None = None
+        aborted = False
+        last_look_at = started
+        next_progress = started + PROGRESS_EVERY_S
+        try:
+            while True:
+                time.sleep(TICK_S)
+                load.check()
+                self.pending += load.tail.read()
+                now = time.monotonic()
+                new = {arm: completed(self.pending, arm) for arm in self.arms}
+                totals = {arm: completed(self.records, arm) + new[arm] for arm in self.arms}
+                if not self.records and not self.pending and now - started > FIRST_RECORD_TIMEOUT_S:
+                    raise SwarmError(f"the experiment's load delivered no record in {FIRST_RECORD_TIMEOUT_S:g} s")
+                if ctx.aborted():
+                    aborted = True
+                    break
+                capped = now - started >= plan.max_duration_s
+                if plan.look_due(new, totals, now - last_look_at) or (capped and any(new.values())):
+                    last_look_at = now
+                    final = self._look(plan.information(totals))
+                    if final:
+                        break
+                if capped:
+                    capped_reason = self._capped_reason(totals)
+                    self.say(capped_reason)
+                    break
+                if now >= next_progress:
+                    next_progress = now + PROGRESS_EVERY_S
+                    self.say(
+                        f"{now - started:.0f} s, completed requests baseline {totals[BASELINE]} canary {totals[CANARY]}"
+                        f" (look {len(self.fractions) + 1} at +{plan.requests_per_look} each)"
+                    )
+        except BaseException:
+            load.kill()
+            self._store_rest(load)
+            raise
+        stopped_at = time.time()
+        result = load.finish()
+        tail = self._store_rest(load)
+        judged_end = self._last_look_wall or stopped_at
+        summary = self._summary(result, router_before, started, load.started_at, judged_end, tail)
+        ctx.event("done", ", ".join(f"{g.name}={g.verdict.value}" for g in self.gates))
+        return ExperimentOutcome(
+            gates=self.gates,
+            summary=summary,
+            spec_decode=self.spec_delta,
+            capped_reason=capped_reason,
+            aborted=aborted,
+            records=self.records,
+        )
+
+    # -- one look --------------------------------------------------------------
+    def _look(self, information: float) -> bool:
+        """Judge everything so far; True when the phase may stop."""
+        ctx, plan = self.ctx, self.plan
+        look = len(self.fractions) + 1
+        fraction = information if not self.fractions else max(information, self.fractions[-1] + 1e-3)
+        self.fractions.append(min(1.0, fraction))
+        look_records, self.pending = self.pending, []
+        stored = ctx.store.add_request_samples(ctx.run_id, PHASE, look, look_records)
+        if stored != len(look_records):
+            raise SwarmError(f"experiment: look {look} had duplicate request ids")
+        self.records += look_records
+        self.looks_of += [look] * len(look_records)
+        self._last_look_wall = time.time()
+        self._scrape_acceptance()
+        baseline = latency_samples(self.records, self.looks_of, BASELINE)
+        canary = latency_samples(self.records, self.looks_of, CANARY)
+        latency = judge_latency(
+            baseline, canary, ctx.gates, look=look, max_looks=plan.planned_looks, information=self.fractions
+        )
+        canary_sd = self.spec_delta.get(CANARY, SpecDecodeStats())
+        acceptance = judge_acceptance(
+            None if CANARY in self.unscraped else canary_sd.mean_acceptance_length, int(canary_sd.drafts), ctx.gates
+        )
+        if CANARY not in self.unscraped and ctx.speculative_canary and canary_sd.drafts <= 0:
+            acceptance = acceptance.model_copy(
+                update={"verdict": Verdict.FAIL, "detail": "the speculative canary made no drafts under load"}
+            )
+        self.gates = latency + [acceptance]
+        ctx.store.put_phase_result(ctx.run_id, PHASE, look, [g.model_dump(mode="json") for g in self.gates])
+        summary = {
+            "look": look,
+            "at": self._last_look_wall,
+            "information": round(self.fractions[-1], 4),
+            "requests": {arm: completed(look_records, arm) for arm in self.arms},
+            "verdicts": {g.name: g.verdict.value for g in self.gates},
+        }
+        self.look_summaries.append(summary)
+        self.say(
+            f"look {look}/{plan.planned_looks} (information {self.fractions[-1]:.2f}) | requests baseline "
+            f"{baseline.n_total} canary {canary.n_total} | TPOT p50 ms baseline {_p50_ms(baseline.tpot_s)} canary "
+            f"{_p50_ms(canary.tpot_s)} | acceptance length {_fmt(canary_sd.mean_acceptance_length)} | "
+            + ", ".join(f"{g.name}: {g.verdict.value}" for g in self.gates)
+        )
+        ctx.event("look", f"look {look}: " + ", ".join(f"{k}={v}" for k, v in summary["verdicts"].items()))
+        if self.fractions[-1] >= 1.0:
+            return True
+        if look >= plan.min_looks and is_final(self.gates, ctx.gates):
+            self.say(f"verdict reached at look {look} of {plan.planned_looks}, stopping early")
+            return True
+        return False
+
+    def _scrape_acceptance(self) -> None:
+        """Spec-decode counters since the phase began, per arm; a replica not scraped makes its arm unknown."""
+        after = self.ctx.scrape()
+        totals: dict[str, SpecDecodeStats] = {}
+        for name, arm in self.ctx.replica_arms.items():
+            if arm == TWIN:
+                continue
+            if name not in self.metrics_start or name not in after:
+                self.unscraped.add(arm)  # a vanished replica: its arm's acceptance is unknown, not zero
+                continue
+            delta = after[name].delta(self.metrics_start[name])
+            totals[arm] = totals.get(arm, SpecDecodeStats()) + delta.spec_decode
+        self.spec_delta = totals
+
+    def _capped_reason(self, totals: dict[str, int]) -> str:
+        plan = self.plan
+        return (
+            f"experiment.max_duration_s ({plan.max_duration_s:g} s) reached after {len(self.fractions)} look(s): "
+            f"baseline {totals[BASELINE]}, canary {totals[CANARY]} completed requests; the plan needs "
+            f"{plan.requests_per_arm} per arm"
+        )
+
+    # -- the end ---------------------------------------------------------------
+    def _store_rest(self, load: ContinuousLoad) -> int:
+        """Records after the last look (in flight at the stop, or still shipping): stored, not judged."""
+        rest = self.pending + load.tail.read()
+        self.pending = []
+        if not rest:
+            return 0
+        look = len(self.fractions) + 1
+        self.ctx.store.add_request_samples(self.ctx.run_id, PHASE, look, rest)
+        self.records += rest
+        self.looks_of += [look] * len(rest)
+        return len(rest)
+
+    def _summary(
+        self, result: SwarmResult, router_before: dict[str, int], started: float, load_started: float,
+        judged_end: float, tail: int,
+    ) -> dict[str, Any]:
+        router_after = router_request_counts(self.ctx.router)
+        received = (
+            sum(router_after.values()) - sum(router_before.values()) if router_after and router_before else None
+        )
+        first_send = min((r.sent_at for r in self.records), default=None)
+        duty = duty_cycle(self.records, first_send, judged_end) if first_send is not None else None
+        stored = self.ctx.store.count_request_samples(self.ctx.run_id, PHASE)
+        if received is not None and received != stored:
+            self.say(f"WARNING: the router received {received} requests in this phase, the store holds {stored} records")
+        generator_warnings = list(result.generator.warnings) if result.generator.generator_limited else []
+        for warning in generator_warnings:
+            self.say(f"load generator limited: {warning}")
+        return {
+            "looks": self.look_summaries,
+            "planned_looks": self.plan.planned_looks,
+            "requests_per_look": self.plan.requests_per_look,
+            "requests_per_arm_planned": self.plan.requests_per_arm,
+            "information": self.fractions[-1] if self.fractions else 0.0,
+            "requests": {arm: latency_samples(self.records, self.looks_of, arm).n_total for arm in self.arms},
+            "records_after_last_look": tail,
+            "requests_received": received,
+            "records_stored": stored,
+            "duty_cycle": None if duty is None else round(duty, 4),
+            "load_start_s": round(first_send - load_started, 3) if first_send is not None else None,
+            "duration_s": time.monotonic() - started,
+            "generator_warnings": generator_warnings,
+            "generator_send_lag_p99_ms": _percentile_ms([r.send_lag_s for r in self.records if r.send_lag_s is not None], 99),
+        }
+
+
+def _percentile_ms(values, q: float) -> float | None:
+    arr = np.asarray(values, dtype=float)
+    return round(float(np.percentile(arr, q)) * 1000.0, 3) if arr.size else None
+
+
+def _p50_ms(values) -> float | None:
+    return _percentile_ms(values, 50)
+
+
+def _fmt(value: float | None) -> str:
+    return "n/a" if value is None else f"{value:.2f}"

@@ -1,0 +1,242 @@
+"""The experiment phase: one continuous Locust load, looks by evidence, the wall-clock cap.
+
+The pure parts (when a look is due, information fractions, the duty cycle) are tested
+directly. The phase itself runs with real parts: a real Router actor on local Ray, a
+real Locust swarm, a real SQLite store; the replicas are the named benchmark target
+(benchmarks/stream_target.py), whose TPOT is set exactly, so the size of the effect is
+known (the vLLM tests judge real engines).
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+import urllib.request
+
+import pytest
+import ray
+
+from benchmarks.stream_target import TargetProcess
+from cluster.router import Router
+from loadtests.options import TrafficOptions
+from loadtests.records import RequestRecord
+from loadtests.swarm import SwarmSpec, free_port
+from rollout.config import ExperimentConfig
+from rollout.experiment import (
+    LOAD_STOP_TIMEOUT_S,
+    ExperimentContext,
+    ExperimentPhase,
+    LookPlan,
+    duty_cycle,
+    router_request_counts,
+)
+from rollout.gates import GatesConfig, Verdict
+from rollout.store import RunStore
+
+
+# -- pure parts -----------------------------------------------------------------
+def plan(**kw) -> LookPlan:
+    base = dict(requests_per_look=40, requests_per_arm=120, min_interval_s=10.0, min_looks=1, max_duration_s=600.0)
+    return LookPlan(**{**base, **kw})
+
+
+def test_a_look_waits_for_every_arm_and_for_the_interval():
+    p = plan()
+    assert not p.look_due({"baseline": 40, "canary": 39}, {"baseline": 40, "canary": 39}, 60.0)
+    assert not p.look_due({"baseline": 45, "canary": 41}, {"baseline": 45, "canary": 41}, 9.0)
+    assert p.look_due({"baseline": 45, "canary": 41}, {"baseline": 45, "canary": 41}, 10.0)
+
+
+def test_the_plan_reached_is_a_look_even_with_fewer_new_requests():
+    p = plan(requests_per_look=50, requests_per_arm=120)  # looks at 50, 100, then 120
+    assert p.planned_looks == 3
+    assert p.look_due({"baseline": 20, "canary": 21}, {"baseline": 120, "canary": 121}, 30.0)
+    assert not p.look_due({"baseline": 19, "canary": 21}, {"baseline": 119, "canary": 121}, 30.0)
+
+
+def test_information_is_the_least_served_arm_over_the_plan_capped_at_one():
+    p = plan()
+    assert p.information({"baseline": 60, "canary": 30}) == pytest.approx(0.25)
+    assert p.information({"baseline": 500, "canary": 130}) == 1.0
+
+
+def record(sent_at: float, e2e: float) -> RequestRecord:
+    return RequestRecord(
+        request_id=f"r{sent_at}-{e2e}", tag="experiment", worker="w", sent_at=sent_at, e2e_s=e2e, ok=True,
+        status=200, arm="baseline", ttft_s=0.01, output_tokens=4,
+    )
+
+
+def test_duty_cycle_counts_time_with_a_request_in_flight_once():
+    # [0, 4] and [2, 6] overlap, a gap from 6 to 8, then [8, 10]
+    records = [record(0, 4), record(2, 4), record(8, 2)]
+    assert duty_cycle(records, 0.0, 10.0) == pytest.approx(0.8)
+    assert duty_cycle(records, 0.0, 6.0) == pytest.approx(1.0)
+    assert duty_cycle([], 0.0, 10.0) == 0.0
+
+
+# -- the phase, with real Ray, Router, Locust and SQLite ------------------------------
+@pytest.fixture(scope="module")
+def local_ray():
+    ray.init(num_cpus=2, include_dashboard=False, logging_level=logging.WARNING, log_to_driver=False)
+    yield
+    ray.shutdown()
+
+
+def start_router(baseline_url: str, canary_url: str):
+    router = Router.remote(initial_weights={"baseline": 100.0, "canary": 0.0}, seed=0)
+    url = ray.get(router.start.remote())
+    ray.get(router.set_arms.remote({"baseline": [baseline_url], "canary": [canary_url]}))
+    return router, url
+
+
+def run_phase(tmp_path, router, router_url, exp: ExperimentConfig, gates: GatesConfig, web_port: int | None = None):
+    store = RunStore(tmp_path / "history.db")
+    store.create_run("exp", "test", "target", {})
+    out = tmp_path / "experiment"
+    traffic = TrafficOptions(
+        dataset="synthetic", input_tokens="8", max_tokens=exp.max_tokens, model="target",
+        records=str(out / "records.jsonl"), ignore_eos=True, tag="experiment", arm_pin="baseline,canary", seed=1,
+    )
+    spec = SwarmSpec(
+        host=router_url, traffic=traffic, users=exp.users_per_replica * 2, run_time_s=int(exp.max_duration_s + 120),
+        n_workers=1, stop_timeout_s=LOAD_STOP_TIMEOUT_S, log_dir=out / "locust",
+        web_ui=web_port is not None, web_port=web_port or 8089,
+    )
+    lines: list[str] = []
+    phase = ExperimentPhase(
+        ExperimentContext(
+            run_id="exp", config=exp, gates=gates, store=store, swarm_spec=spec, placement="local",
+            scrape=lambda: {}, replica_arms={}, router=router, speculative_canary=False,
+            say=lines.append, event=lambda event, reason: None, aborted=lambda: False,
+        )
+    )
+    return phase.run(), store, lines
+
+
+# acceptance has no /metrics here (disabled); a lenient error guard so that it decides early
+GATES = GatesConfig(min_acceptance_length=None, error_rate_max_increase=0.3, ttft_p95_max_ratio=2.0,
+                    min_requests_per_arm=20)
+
+
+def verdicts(outcome) -> dict[str, Verdict]:
+    return {g.name: g.verdict for g in outcome.gates}
+
+
+def test_a_big_effect_stops_early_and_every_request_has_one_record(local_ray, tmp_path):
+    exp = ExperimentConfig(requests_per_look=30, requests_per_arm=180, window_s=1, users_per_replica=3, max_tokens=12,
+                           max_duration_s=300, workers=1, worker_placement="local")
+    with TargetProcess(ttft_ms=20, tpot_ms=20) as baseline, TargetProcess(ttft_ms=20, tpot_ms=8) as canary:
+        router, url = start_router(baseline.url, canary.url)
+        try:
+            before = sum(router_request_counts(router).values())
+            outcome, store, lines = run_phase(tmp_path, router, url, exp, GATES)
+            received = sum(router_request_counts(router).values()) - before
+        finally:
+            ray.get(router.stop.remote())
+            ray.kill(router)
+    summary = outcome.summary
+    assert verdicts(outcome)["tpot_p50_improvement"] == Verdict.PASS
+    assert len(summary["looks"]) < summary["planned_looks"] == 6, lines
+    assert summary["information"] < 1.0
+    assert any("stopping early" in line for line in lines)
+    # none lost between looks: every request the router received is one stored record
+    assert summary["records_stored"] == received == summary["requests_received"] > 0
+    assert store.count_request_samples("exp", "experiment") == received
+    # looks are slices of one load: each look's requests add up to what the arms completed
+    judged = sum(sum(look["requests"].values()) for look in summary["looks"])
+    assert judged + summary["records_after_last_look"] >= received - 2 * exp.users_per_replica
+    assert summary["duty_cycle"] >= 0.95
+
+
+def test_an_effect_at_the_bar_keeps_looking_to_the_plan(local_ray, tmp_path):
+    exp = ExperimentConfig(requests_per_look=30, requests_per_arm=90, window_s=1, users_per_replica=3, max_tokens=12,
+                           max_duration_s=300, workers=1, worker_placement="local")
+    # TPOT ratio exactly 0.9, the objective's bar: neither shown nor refuted
+    with TargetProcess(ttft_ms=20, tpot_ms=20) as baseline, TargetProcess(ttft_ms=20, tpot_ms=18) as canary:
+        router, url = start_router(baseline.url, canary.url)
+        try:
+            outcome, _, lines = run_phase(tmp_path, router, url, exp, GATES)
+        finally:
+            ray.get(router.stop.remote())
+            ray.kill(router)
+    summary = outcome.summary
+    assert [look["look"] for look in summary["looks"]] == [1, 2, 3], lines
+    assert summary["information"] == 1.0
+    assert verdicts(outcome)["tpot_p50_improvement"] == Verdict.INCONCLUSIVE
+    fractions = [look["information"] for look in summary["looks"]]
+    assert fractions == sorted(fractions) and fractions[-1] == 1.0
+    assert outcome.capped_reason is None
+
+
+def test_the_wall_clock_cap_ends_the_phase_with_the_counts_in_the_reason(local_ray, tmp_path):
+    exp = ExperimentConfig(requests_per_look=100, requests_per_arm=5000, window_s=1, users_per_replica=2, max_tokens=12,
+                           max_duration_s=12, workers=1, worker_placement="local")
+    with TargetProcess(ttft_ms=20, tpot_ms=20) as baseline, TargetProcess(ttft_ms=20, tpot_ms=19) as canary:
+        router, url = start_router(baseline.url, canary.url)
+        try:
+            outcome, _, _ = run_phase(tmp_path, router, url, exp, GATES)
+        finally:
+            ray.get(router.stop.remote())
+            ray.kill(router)
+    reason = outcome.capped_reason
+    assert reason is not None and "max_duration_s (12 s)" in reason
+    assert f"the plan needs {exp.requests_per_arm} per arm" in reason
+    judged = {arm: sum(look["requests"][arm] for look in outcome.summary["looks"]) for arm in ("baseline", "canary")}
+    assert f"baseline {judged['baseline']}, canary {judged['canary']} completed requests" in reason
+    assert outcome.summary["information"] < 1.0
+    assert verdicts(outcome)["tpot_p50_improvement"] != Verdict.PASS
+
+
+def test_the_web_ui_stays_at_one_url_from_the_first_look_to_the_last(local_ray, tmp_path):
+    exp = ExperimentConfig(requests_per_look=25, requests_per_arm=100, window_s=2, users_per_replica=2, max_tokens=12,
+                           max_duration_s=300, workers=1, worker_placement="local")
+    port = free_port()
+    polls: list[tuple[float, int]] = []
+    done = threading.Event()
+
+    def poll() -> None:
+        while not done.is_set():
+            try:
+                with urllib.request.urlopen(f"http://127.0.0.1:{port}/", timeout=5) as response:
+                    polls.append((time.time(), response.status))
+            except OSError:
+                polls.append((time.time(), 0))
+            time.sleep(0.5)
+
+    with TargetProcess(ttft_ms=20, tpot_ms=20) as baseline, TargetProcess(ttft_ms=20, tpot_ms=18) as canary:
+        router, url = start_router(baseline.url, canary.url)
+        poller = threading.Thread(target=poll, daemon=True)
+        poller.start()
+        try:
+            outcome, store, _ = run_phase(tmp_path, router, url, exp, GATES, web_port=port)
+        finally:
+            done.set()
+            poller.join(10)
+            ray.get(router.stop.remote())
+            ray.kill(router)
+    looks = outcome.summary["looks"]
+    assert len(looks) >= 2
+    # polled every 0.5 s from before the load to after it: up at one URL from the first look to the last
+    between = [status for at, status in polls if looks[0]["at"] <= at <= looks[-1]["at"]]
+    assert len(between) >= 2 and all(status == 200 for status in between), polls
+
+
+def test_a_capped_experiment_is_inconclusive_and_its_reason_has_the_counts(tmp_path):
+    from rollout.config import load_config
+    from rollout.controller import Controller
+    from rollout.gates import Decision, GateResult
+
+    controller = Controller(load_config("configs/local-cpu.yaml"), runs_dir=tmp_path, run_id="capped")
+    controller._experiment_capped = "experiment.max_duration_s (240 s) reached after 2 look(s): baseline 61, canary 60"
+    controller.result.gates = [
+        GateResult(name="tpot_p50_improvement", metric="tpot_p50_ratio", baseline=1.0, canary=0.5, threshold=0.9,
+                   verdict=Verdict.PASS),
+        GateResult(name="error_rate_guard", metric="error_rate_diff", baseline=0.0, canary=0.0, threshold=0.05,
+                   verdict=Verdict.INCONCLUSIVE),
+    ]
+    controller._decide()
+    assert controller.result.decision == Decision.INCONCLUSIVE
+    assert controller.result.reason.startswith("experiment.max_duration_s (240 s) reached")
+    assert "baseline 61, canary 60" in controller.result.reason and "error_rate_guard" in controller.result.reason
