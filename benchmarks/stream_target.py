@@ -31,6 +31,8 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import math
+import random
 import select
 import socket
 import subprocess
@@ -108,8 +110,15 @@ def _prompt_tokens(body: dict[str, Any]) -> int:
 
 
 class StreamTarget:
-    def __init__(self, schedule: TokenSchedule, arm: str | None = None, replica: str | None = None) -> None:
+    def __init__(
+        self, schedule: TokenSchedule, arm: str | None = None, replica: str | None = None,
+        tpot_jitter: float = 0.0, seed: int = 0,
+    ) -> None:
         self.schedule = schedule
+        # log-sd of a per-request TPOT multiplier (0: every request exactly on the schedule):
+        # latency that varies from request to request, as a real server's does
+        self.tpot_jitter = tpot_jitter
+        self._rng = random.Random(seed)
         self.arm = arm
         self.replica = replica
         self.stats = TargetStats()
@@ -183,7 +192,11 @@ class StreamTarget:
         # each kind once per request (a zero-work target: its CPU is the benchmark's noise)
         encoded: dict[tuple[int, bool], bytes] = {}
         try:
-            plan = self.schedule.chunks(n_tokens)
+            schedule = self.schedule
+            if self.tpot_jitter > 0:
+                factor = math.exp(self._rng.gauss(0.0, self.tpot_jitter))
+                schedule = TokenSchedule(schedule.ttft_s, schedule.tpot_s * factor, schedule.tokens_per_chunk)
+            plan = schedule.chunks(n_tokens)
             for number, (offset, size) in enumerate(plan):
                 last = number == len(plan) - 1
                 data = encoded.get((size, last))
@@ -264,6 +277,8 @@ class TargetProcess:
         replica: str | None = None,
         python: str = sys.executable,
         start_timeout_s: float = 30.0,
+        tpot_jitter: float = 0.0,
+        seed: int = 0,
     ) -> None:
         self._command = [python, str(Path(__file__).resolve()), "--port", "0", "--ttft-ms", str(ttft_ms),
                          "--tpot-ms", str(tpot_ms), "--tokens-per-chunk", str(tokens_per_chunk)]
@@ -271,6 +286,8 @@ class TargetProcess:
             self._command += ["--arm", arm]
         if replica:
             self._command += ["--replica", replica]
+        if tpot_jitter:
+            self._command += ["--tpot-jitter", str(tpot_jitter), "--seed", str(seed)]
         self._start_timeout_s = start_timeout_s
         self._process: subprocess.Popen[str] | None = None
         self.url = ""
@@ -314,6 +331,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--tokens-per-chunk", type=int, default=1)
     parser.add_argument("--arm", default=None, help="value of x-mtp-canary-arm when the request pins none")
     parser.add_argument("--replica", default=None, help="value of x-mtp-canary-replica")
+    parser.add_argument("--tpot-jitter", type=float, default=0.0,
+                        help="log-sd of a per-request TPOT multiplier (0: exactly on schedule)")
+    parser.add_argument("--seed", type=int, default=0, help="seed of the jitter")
     return parser.parse_args(argv)
 
 
@@ -321,7 +341,8 @@ async def serve(args: argparse.Namespace) -> None:
     if args.tokens_per_chunk < 1:
         raise SystemExit("--tokens-per-chunk must be at least 1")
     target = StreamTarget(
-        TokenSchedule(args.ttft_ms / 1000.0, args.tpot_ms / 1000.0, args.tokens_per_chunk), args.arm, args.replica
+        TokenSchedule(args.ttft_ms / 1000.0, args.tpot_ms / 1000.0, args.tokens_per_chunk), args.arm, args.replica,
+        tpot_jitter=args.tpot_jitter, seed=args.seed,
     )
     runner = web.AppRunner(target.app(), access_log=None)
     await runner.setup()

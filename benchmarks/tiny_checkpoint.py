@@ -6,7 +6,19 @@
 
     python benchmarks/tiny_checkpoint.py [--noise 0 1 2 4 8 16] [--prompts 16] [--json]
 
-Each server runs alone with 2 OMP threads; nothing else should load the machine.
+Each server runs alone with --omp-threads OMP threads (default 2); nothing else
+should load the machine.
+
+Sizing (rollout/tiny_sizing.py): TPOT at several depths and the linear fit
+step_ms = TPOT * (k + 1) = intercept + slope * layers per k, next to the probe's
+figures (what rollout.tiny_sizing.CALIBRATION is fitted from):
+
+    python benchmarks/tiny_checkpoint.py --speed-only --omp-threads 1 --layers 2 8 24 --fit
+
+`--auto` serves the size the probe picks (1 OMP thread, as configs/local-cpu.yaml
+runs); `--cgroup DIR` moves each server's processes into that cgroup (v1 cpu
+controller) once it is ready, e.g. one with a CPU quota to emulate a slow machine
+(server start-up then runs at full speed).
 """
 
 from __future__ import annotations
@@ -59,16 +71,54 @@ def stream_tpot(url: str, prompt_ids: list[int], max_tokens: int) -> float:
     return (end - first) / (tokens - 1)
 
 
-def measure(model_dir: Path, k: int, prompts: list[list[int]], max_tokens: int, log_dir: str) -> dict:
+def move_into_cgroup(root_pid: int, cgroup: Path, per_process: bool = False) -> list[int]:
+    """Write the server's process and all its descendants into cgroup/cgroup.procs.
+
+    per_process: each process into its own sibling cgroup (`<cgroup>-<i>`) with
+    cgroup's quota and period instead: every process runs as on a slower core of
+    its own (the API server then does not eat the engine's quota, as on a
+    2-core machine where it has the other core).
+    """
+    import psutil
+
+    moved = []
+    procs = [psutil.Process(root_pid)]
+    procs += procs[0].children(recursive=True)
+    for i, proc in enumerate(procs):
+        target = cgroup
+        if per_process:
+            target = cgroup.with_name(f"{cgroup.name}-{i}")
+            target.mkdir(exist_ok=True)
+            for knob in ("cpu.cfs_period_us", "cpu.cfs_quota_us"):
+                (target / knob).write_text((cgroup / knob).read_text().strip())
+        try:
+            (target / "cgroup.procs").write_text(str(proc.pid))
+            moved.append(proc.pid)
+        except (OSError, psutil.NoSuchProcess):
+            continue
+    return moved
+
+
+def measure(
+    model_dir: Path,
+    k: int,
+    prompts: list[list[int]],
+    max_tokens: int,
+    log_dir: str,
+    dtype: str = "bfloat16",
+    omp_threads: int = 2,
+    cgroup: Path | None = None,
+    per_process: bool = False,
+) -> dict:
     spec = EngineSpec(
         model=str(model_dir),
         served_model_name="tiny",
         device="cpu",
-        dtype="bfloat16",
+        dtype=dtype,
         max_model_len=1024,
         enforce_eager=True,
         speculative_config={"method": "mtp", "num_speculative_tokens": k},
-        cpu=CpuLimits(omp_threads=2, kv_cache_gb=1),
+        cpu=CpuLimits(omp_threads=omp_threads, kv_cache_gb=1),
         startup_timeout_s=300,
     )
     replica = VLLMReplicaServer(f"bench-k{k}", "bench", spec, log_dir)
@@ -77,20 +127,80 @@ def measure(model_dir: Path, k: int, prompts: list[list[int]], max_tokens: int, 
         status = replica.wait_ready()
         if status.state != ReplicaState.READY:
             raise RuntimeError(f"server failed: {status.error}\n" + "\n".join(status.log_tail))
+        moved = move_into_cgroup(status.pid, cgroup, per_process) if cgroup else []
         stream_tpot(replica.url, prompts[0], 8)  # warm-up
         before = replica.metrics()
         tpots = [stream_tpot(replica.url, p, max_tokens) for p in prompts]
         sd = replica.metrics().delta(before).spec_decode
-        return {
+        row = {
             "k": k,
+            "dtype": dtype,
+            "omp_threads": omp_threads,
             "startup_s": round(status.elapsed_s, 1),
             "tpot_p50_ms": round(statistics.median(tpots) * 1000, 2),
             "acceptance_rate": sd.acceptance_rate,
             "mean_acceptance_length": sd.mean_acceptance_length,
             "per_position": sd.per_position_rate,
         }
+        if cgroup:
+            row["cgroup"] = str(cgroup)
+            row["cgroup_pids"] = len(moved)
+            row["cgroup_per_process"] = per_process
+        return row
     finally:
         replica.stop()
+
+
+def fit_line(xs: list[float], ys: list[float]) -> tuple[float, float]:
+    """(intercept, slope) of the least-squares line through (xs, ys)."""
+    n = len(xs)
+    mx, my = sum(xs) / n, sum(ys) / n
+    sxx = sum((x - mx) ** 2 for x in xs)
+    slope = sum((x - mx) * (y - my) for x, y in zip(xs, ys)) / sxx if sxx else 0.0
+    return my - slope * mx, slope
+
+
+def speed_by_depth(args, cache: Path, log_dir: str) -> dict:
+    """TPOT at each depth in args.layers (and k in args.ks), with the probe's figures there when --fit."""
+    from rollout.tiny_sizing import predict_lines, probe_subprocess
+
+    rows, probe = [], None
+    if args.fit:
+        probe = probe_subprocess([TinyCheckpointSpec.sized(None, args.hidden).hidden_size], args.dtype)[0]
+        print(f"probe: {probe.model_dump_json()}", flush=True)
+    for layers in args.layers:
+        spec = TinyCheckpointSpec.sized(layers, args.hidden)
+        model = ensure_checkpoint(cache / f"L{layers}-h{spec.hidden_size}", spec)
+        golden = [json.loads(line)["prompt_token_ids"] for line in (model / "golden.jsonl").read_text().splitlines()]
+        for k in args.ks:
+            row = measure(model, k, golden[: args.prompts], args.max_tokens, log_dir, args.dtype, args.omp_threads, args.cgroup, args.cgroup_per_process)
+            row.update(layers=layers, hidden=spec.hidden_size)
+            if probe is not None and k in (1, 3):
+                row["predicted_tpot_ms"] = round(predict_lines(probe)[k].at(layers), 2)
+            rows.append(row)
+            print(
+                f"L={layers} h={spec.hidden_size} {args.dtype} k={k}: start {row['startup_s']} s, "
+                f"TPOT p50 {row['tpot_p50_ms']} ms (predicted {row.get('predicted_tpot_ms')}), "
+                f"mean acceptance length {row['mean_acceptance_length']}",
+                flush=True,
+            )
+    out: dict = {"speed": rows, "fit": {}}
+    for k in args.ks:
+        pts = [(r["layers"], r["tpot_p50_ms"] * (k + 1)) for r in rows if r["k"] == k]
+        if len(pts) < 2:
+            continue
+        intercept, slope = fit_line([p[0] for p in pts], [p[1] for p in pts])
+        fit = {"step_intercept_ms": round(intercept, 2), "step_ms_per_layer": round(slope, 3)}
+        if probe is not None and k + 1 in probe.layer_ms:
+            # The intercept mixes the fixed overhead and k draft passes: separate them with two ks.
+            fit.update(layer_scale=round(slope / probe.layer_ms[k + 1], 3), intercept_in_ops=round(intercept / probe.op_ms))
+        out["fit"][str(k)] = fit
+        print(f"k={k}: step_ms = {intercept:.2f} + {slope:.3f} * layers  {fit}", flush=True)
+    for layers in args.layers:
+        by_k = {r["k"]: r["tpot_p50_ms"] for r in rows if r["layers"] == layers}
+        if 1 in by_k and 3 in by_k:
+            print(f"L={layers}: k=3 TPOT {by_k[1] / by_k[3]:.2f}x lower than k=1", flush=True)
+    return out
 
 
 def main() -> None:
@@ -98,25 +208,55 @@ def main() -> None:
     parser.add_argument("--noise", type=float, nargs="*", default=[0, 1, 2, 4, 8, 16])
     parser.add_argument("--prompts", type=int, default=16)
     parser.add_argument("--max-tokens", type=int, default=48)
+    parser.add_argument("--omp-threads", type=int, default=2)
+    parser.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float32"])
+    parser.add_argument("--layers", type=int, nargs="*", default=None, help="depths to measure (speed only)")
+    parser.add_argument("--hidden", type=int, default=None, help="width (default 1024)")
+    parser.add_argument("--ks", type=int, nargs="*", default=[1, 3])
+    parser.add_argument("--speed-only", action="store_true", help="no noise curve")
+    parser.add_argument("--fit", action="store_true", help="probe once; fit TPOT vs depth against the probe")
+    parser.add_argument("--auto", action="store_true", help="the size and dtype the probe picks (1 OMP thread)")
+    parser.add_argument("--reprobe", action="store_true", help="with --auto: ignore the cached probe answer")
+    parser.add_argument("--cgroup", type=Path, default=None, help="move each ready server into this cgroup (v1 cpu)")
+    parser.add_argument("--cgroup-per-process", action="store_true", help="each server process in its own copy of --cgroup")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
 
     cache = Path(tempfile.gettempdir()) / "mtp-canary-bench"
     log_dir = str(cache / "logs")
-    out: dict = {"speed": [], "noise_curve": []}
+    if args.auto:
+        from rollout.config import DEFAULT_CACHE
+        from rollout.tiny_sizing import size_tiny_model
+
+        t0 = time.perf_counter()
+        sizing = size_tiny_model(DEFAULT_CACHE, print, reprobe=args.reprobe)
+        print(f"sizing took {time.perf_counter() - t0:.1f} s", flush=True)
+        args.layers, args.hidden, args.dtype, args.omp_threads = [sizing.num_layers], sizing.hidden_size, sizing.dtype, 1
+        args.speed_only = True
+    if args.layers:
+        out = speed_by_depth(args, cache, log_dir)
+        if args.auto:
+            out["sizing"] = sizing.model_dump()
+        if args.json:
+            print(json.dumps(out))
+        return
+
+    out = {"speed": [], "noise_curve": []}
     base = ensure_checkpoint(cache / "noise0", TinyCheckpointSpec())
     golden = [json.loads(line)["prompt_token_ids"] for line in (base / "golden.jsonl").read_text().splitlines()]
     prompts = golden[: args.prompts]
     for k in (1, 3):
-        row = measure(base, k, prompts, args.max_tokens, log_dir)
+        row = measure(base, k, prompts, args.max_tokens, log_dir, args.dtype, args.omp_threads, args.cgroup, args.cgroup_per_process)
         out["speed"].append(row)
         print(f"k={k}: start {row['startup_s']} s, single-stream TPOT p50 {row['tpot_p50_ms']} ms", flush=True)
     k1, k3 = out["speed"]
     out["tpot_speedup_k3_over_k1"] = round(k1["tpot_p50_ms"] / k3["tpot_p50_ms"], 2)
     print(f"k=3 TPOT is {out['tpot_speedup_k3_over_k1']}x lower than k=1", flush=True)
+    if args.speed_only:
+        args.noise = []
     for noise in args.noise:
         model = base if noise == 0 else ensure_checkpoint(cache / f"noise{noise:g}", TinyCheckpointSpec(draft_noise=noise))
-        row = measure(model, 3, prompts, args.max_tokens, log_dir) if noise else out["speed"][1]
+        row = measure(model, 3, prompts, args.max_tokens, log_dir, args.dtype, args.omp_threads, args.cgroup, args.cgroup_per_process) if noise else out["speed"][1]
         entry = {"draft_noise": noise, **{k: row[k] for k in ("acceptance_rate", "mean_acceptance_length", "per_position")}}
         out["noise_curve"].append(entry)
         per_pos = ", ".join(f"{p:.2f}" for p in entry["per_position"] or [])

@@ -61,6 +61,7 @@ class ReplicaStatus:
     node_ip: str | None = None
     log_path: str | None = None
     elapsed_s: float = 0.0
+    launched_at: float | None = None  # wall clock of the launch (when the server process was started)
     error: str | None = None
     log_tail: list[str] = field(default_factory=list)
 
@@ -98,6 +99,7 @@ class VLLMReplicaServer:
         self._proc: subprocess.Popen | None = None
         self._port: int | None = None
         self._started_at: float | None = None
+        self._launched_at: float | None = None
         self._state = ReplicaState.PENDING
         self._error: str | None = None
         self._ready_after_s: float | None = None
@@ -120,6 +122,7 @@ class VLLMReplicaServer:
         cmd, env_add = self.planned_launch(self._port)
         env = {**os.environ, **env_add, "PYTHONUNBUFFERED": "1"}
         self._started_at = time.monotonic()
+        self._launched_at = time.time()
         self._state = ReplicaState.STARTING
         log = open(self.log_path, "ab")
         log.write(f"# mtp-canary replica {self.name} ({self.arm}): {' '.join(cmd)}\n".encode())
@@ -192,6 +195,7 @@ class VLLMReplicaServer:
             node_ip=ray.util.get_node_ip_address() if ray.is_initialized() else None,
             log_path=self.log_path,
             elapsed_s=self._ready_after_s if self._ready_after_s is not None else elapsed,
+            launched_at=self._launched_at,
             error=self._error,
             log_tail=read_tail(self.log_path, 30) if failed else read_tail(self.log_path, 1),
         )

@@ -47,11 +47,13 @@ def _cmd_run(args: argparse.Namespace) -> int:
         "max_duration_s": args.max_duration_s,
     }
     updates = {key: value for key, value in overrides.items() if value is not None}
-    if updates:
+    if updates or args.ray_address:
         from rollout.config import parse_config
 
         data = config.model_dump(mode="json")
         data["experiment"].update(updates)
+        if args.ray_address:
+            data["ray"]["address"] = args.ray_address
         if "requests_per_arm" in updates:
             exp = data["experiment"]
             exp["requests_per_look"] = min(exp["requests_per_look"], exp["requests_per_arm"])
@@ -115,19 +117,36 @@ def _cmd_resume(args: argparse.Namespace) -> int:
 def _cmd_make_model(args: argparse.Namespace) -> int:
     from rollout.tiny_checkpoint import TinyCheckpointSpec, write_checkpoint
 
+    layers, hidden, dtype = args.num_layers, args.hidden_size, args.dtype
+    if args.auto_size:
+        from rollout.config import DEFAULT_CACHE, TinyModelOptions
+        from rollout.tiny_sizing import size_tiny_model
+
+        try:
+            options = TinyModelOptions(num_layers=layers, hidden_size=hidden, dtype=dtype)
+        except ValueError as exc:
+            print(f"mtp-canary make-model: {exc}", file=sys.stderr)
+            return EXIT_USAGE
+        sizing = size_tiny_model(DEFAULT_CACHE, print, options=options)  # explicit flags win over the probe
+        layers, hidden, dtype = sizing.num_layers, sizing.hidden_size, sizing.dtype
     try:
-        spec = TinyCheckpointSpec(
+        spec = TinyCheckpointSpec.sized(
+            layers,
+            hidden,
             draft_noise=args.draft_noise,
             broken=args.broken,
             mtp_layers=args.mtp_layers,
             seed=args.seed,
-            **({"num_layers": args.num_layers} if args.num_layers else {}),
+            **({"torch_dtype": dtype} if dtype else {}),
         )
     except ValueError as exc:
         print(f"mtp-canary make-model: {exc}", file=sys.stderr)
         return EXIT_USAGE
     out = write_checkpoint(args.dir, spec)
-    print(f"wrote tiny MiMo-V2 checkpoint to {out} (golden prompts: {out / 'golden.jsonl'})")
+    print(
+        f"wrote tiny MiMo-V2 checkpoint to {out}: {spec.num_layers} layers x hidden {spec.hidden_size}, "
+        f"serve with --dtype {spec.torch_dtype} (golden prompts: {out / 'golden.jsonl'})"
+    )
     return 0
 
 
@@ -317,6 +336,11 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("config", help="YAML run config (see configs/)")
     run.add_argument("--runs-dir", default="runs", help="where runs/<id>/ and history.db go (default: runs)")
     run.add_argument("--run-id", default=None, help="run id (default: timestamp-name-random)")
+    run.add_argument(
+        "--ray-address", default=None,
+        help="override ray.address: 'auto' (the cluster this runs in, else a local one), 'local' (always a new "
+        "local instance) or HOST:PORT",
+    )
     run.add_argument("--window-s", type=int, default=None, help="override experiment.window_s (seconds between looks)")
     run.add_argument("--requests-per-arm", type=int, default=None, help="override experiment.requests_per_arm")
     run.add_argument("--max-duration-s", type=float, default=None, help="override experiment.max_duration_s")
@@ -342,7 +366,17 @@ def build_parser() -> argparse.ArgumentParser:
     make.add_argument("--broken", action="store_true", help="greedy outputs differ from the golden continuations")
     make.add_argument("--mtp-layers", type=int, default=1, help="MTP layers in the checkpoint (vLLM 0.32 loads only layer 0)")
     make.add_argument("--seed", type=int, default=0)
-    make.add_argument("--num-layers", type=int, default=None, help="decoder layers (default sized for 2 CPU cores)")
+    make.add_argument("--num-layers", type=int, default=None, help="decoder layers (default 24, or --auto-size)")
+    make.add_argument("--hidden-size", type=int, default=None, help="width, a multiple of 256 (default 1024, or --auto-size)")
+    make.add_argument(
+        "--dtype", choices=["bfloat16", "float32"], default=None,
+        help="config.json torch_dtype, what --dtype auto serves (default bfloat16, or --auto-size: float32 without native bf16)",
+    )
+    make.add_argument(
+        "--auto-size", action="store_true",
+        help="size depth (width) and dtype for this machine by a short cached probe: k=1 TPOT ~25 ms at 1 thread; "
+        "explicit --num-layers/--hidden-size/--dtype win",
+    )
     make.set_defaults(func=_cmd_make_model)
 
     cal = sub.add_parser("calibrate", help="simulate A/A and A/B trials through the gates; print error rates and power")

@@ -29,7 +29,16 @@ class ConfigError(ValueError):
 
 
 class TinyModelOptions(BaseModel):
-    """Serve the project's tiny MiMo-V2 checkpoint (written on first use into the cache)."""
+    """Serve the project's tiny MiMo-V2 checkpoint (written on first use into the cache).
+
+    Its size and the engine's dtype: `size: auto` (the default) lets a short
+    probe of this machine pick the depth (and, on a slow machine, the width) so
+    that single-stream TPOT at k=1 lands near 25 ms (band 15-40 ms), and the
+    dtype (float32 without native bf16), cached per machine (rollout/tiny_sizing.py);
+    the arm's `engine.dtype` then follows the probe. `size: default` is the
+    fixed 24 layers x hidden 1024. Explicit num_layers / hidden_size / dtype
+    win over the probe (dtype also sets engine.dtype).
+    """
 
     model_config = ConfigDict(extra="forbid")
 
@@ -37,7 +46,16 @@ class TinyModelOptions(BaseModel):
     broken: bool = Field(False, description="outputs differ from the golden continuations")
     mtp_layers: int = Field(1, ge=1)
     seed: int = 0
-    num_layers: int | None = Field(None, ge=1, description="override the default depth (tests use a smaller one)")
+    size: Literal["auto", "default"] = Field(
+        "auto", description="auto: sized for this machine by a short cached probe; default: 24 layers x hidden 1024"
+    )
+    num_layers: int | None = Field(None, ge=1, le=128, description="decoder layers (wins over the probe)")
+    hidden_size: int | None = Field(
+        None, ge=256, le=4096, multiple_of=256, description="width (wins over the probe; heads and MLP follow it)"
+    )
+    dtype: Literal["bfloat16", "float32"] | None = Field(
+        None, description="the engine's dtype (wins over the probe's choice and over engine.dtype)"
+    )
 
 
 class ArmConfig(BaseModel):

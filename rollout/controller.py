@@ -61,7 +61,8 @@ from rollout.gates import (
     judge_divergence,
 )
 from rollout.store import RunStore, controller_identity
-from rollout.tiny_checkpoint import TinyCheckpointSpec, ensure_checkpoint
+from rollout.tiny_checkpoint import TinyCheckpointSpec, checkpoint_dir, ensure_checkpoint
+from rollout.tiny_sizing import TinySizing, engine_dtype_for, size_tiny_model, sizing_for_arm, tiny_spec_for
 
 Progress = Callable[[str], None]
 
@@ -119,17 +120,31 @@ def new_run_id(name: str) -> str:
     return f"{time.strftime('%Y%m%d-%H%M%S')}-{name}-{uuid.uuid4().hex[:6]}"
 
 
-def resolve_arm_engine(arm: ArmConfig, cache_dir: Path, progress: Progress):
-    """The arm's EngineSpec with `model` pointing at a real checkpoint (tiny ones written now)."""
+def resolve_arm_engine(arm: ArmConfig, cache_dir: Path, progress: Progress, sizing: TinySizing | None = None):
+    """The arm's EngineSpec with `model` pointing at a real checkpoint (tiny ones written now).
+
+    sizing: a rollout.tiny_sizing.TinySizing, from `size_tiny_model(cache_dir,
+    progress, options=cfg.baseline.tiny_model)` called once per run and passed
+    to both arms (store `sizing.model_dump()` as decision.json prepare.tiny_model).
+    None: sized here (the probe's answer is cached per machine, so both arms
+    still get the same). An auto-sized tiny model also sets the engine's dtype
+    (float32 without native bf16) unless tiny_model.dtype says otherwise;
+    explicit num_layers / hidden_size / dtype win over the sizing.
+    """
     if arm.tiny_model is None:
         return arm.engine
-    options = arm.tiny_model.model_dump(exclude_none=True)
-    spec = TinyCheckpointSpec(**options)
-    tag = f"noise{spec.draft_noise:g}-{'broken' if spec.broken else 'ok'}-mtp{spec.mtp_layers}-s{spec.seed}-L{spec.num_layers}"
-    path = cache_dir / f"tiny-mimo-v2-{tag}"
+    options = arm.tiny_model
+    sizing = sizing_for_arm(options, sizing, cache_dir, progress)
+    spec: TinyCheckpointSpec = tiny_spec_for(options, sizing)
+    # Keyed on the spec and the builder's code; built in a temporary sibling and renamed into place.
+    path = checkpoint_dir(cache_dir, spec)
     progress(f"prepare: tiny MiMo-V2 checkpoint {path}")
     ensure_checkpoint(path, spec)
-    return arm.engine.model_copy(update={"model": str(path)})
+    update = {"model": str(path)}
+    dtype = engine_dtype_for(options, sizing, arm.engine.dtype)
+    if dtype != arm.engine.dtype:
+        update["dtype"] = dtype
+    return arm.engine.model_copy(update=update)
 
 
 class Controller:
@@ -334,8 +349,12 @@ class Controller:
     def _prepare(self) -> None:
         cfg = self.cfg
         t0 = time.monotonic()
-        self.engines[BASELINE] = resolve_arm_engine(cfg.baseline, self.cache_dir, self.say)
-        self.engines[CANARY] = resolve_arm_engine(cfg.canary, self.cache_dir, self.say)
+        # one sizing for both arms (the probe's answer is cached per machine): like with like
+        tiny = cfg.baseline.tiny_model or cfg.canary.tiny_model
+        sizing = size_tiny_model(self.cache_dir, self.say, options=tiny) if tiny and tiny.size == "auto" else None
+        self.result.prepare["tiny_model"] = sizing.model_dump(mode="json") if sizing else None
+        self.engines[BASELINE] = resolve_arm_engine(cfg.baseline, self.cache_dir, self.say, sizing=sizing)
+        self.engines[CANARY] = resolve_arm_engine(cfg.canary, self.cache_dir, self.say, sizing=sizing)
         if cfg.twin_baseline:
             self.engines[TWIN] = self.engines[BASELINE]
         for arm, engine in self.engines.items():

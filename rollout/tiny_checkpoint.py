@@ -20,12 +20,29 @@ MiMo-V2.5 needs four H200s; this checkpoint runs the same vLLM code paths
 The tokenizer is a byte-level BPE trained here on the vendored gsm8k text, so
 the same checkpoint serves gsm8k prompts (its answers are nonsense, but both
 arms produce the same nonsense when lossless).
+
+Cache: `checkpoint_dir(cache_dir, spec)` names a directory by the spec and by
+`builder_fingerprint()` (this file's source bytes, BUILDER_VERSION and the
+versions of the libraries whose output it stores), so a changed builder never
+serves a checkpoint an older one wrote. `ensure_checkpoint` builds into a
+temporary sibling directory and renames it into place: a reader sees a whole
+checkpoint or none, and of two concurrent writers the loser uses the winner's.
+The weights are stored in bfloat16 whatever dtype the engine runs them in
+(`--dtype float32` widens them exactly), so one checkpoint serves both dtypes.
 """
 
 from __future__ import annotations
 
+import errno
+import functools
+import hashlib
 import json
 import math
+import os
+import shutil
+import tempfile
+import time
+import uuid
 from dataclasses import asdict, dataclass
 from pathlib import Path
 
@@ -35,6 +52,11 @@ GSM8K_DIR = Path(__file__).parent / "data" / "gsm8k"
 EOS_TOKEN = "<|endoftext|>"
 SPECIAL_TOKENS = [EOS_TOKEN]
 ARCHITECTURE = "MiMoV2ForCausalLM"  # the MiMo-V2.5 architecture (fused qkv_proj)
+# Bump when what a spec builds changes in a way the source hash would not show
+# (e.g. vendored data). The source hash covers every edit of this file.
+BUILDER_VERSION = 2
+CHECKPOINT_FILES = ("config.json", "tokenizer.json", "tokenizer_config.json", "generation_config.json", "model.safetensors", "golden.jsonl")
+STALE_TEMP_S = 3600.0  # a temporary build directory older than this belongs to a dead writer
 
 # A chat template so /v1/chat/completions works; plain role-prefixed turns.
 CHAT_TEMPLATE = (
@@ -63,6 +85,8 @@ class TinyCheckpointSpec:
     max_position_embeddings: int = 4096
     golden_prompts: int = 160
     golden_continuation: int = 24
+    # config.json's torch_dtype: what `--dtype auto` serves (the weights are stored in bf16 either way).
+    torch_dtype: str = "bfloat16"
 
     def __post_init__(self) -> None:
         if self.draft_noise < 0:
@@ -76,6 +100,30 @@ class TinyCheckpointSpec:
             raise ValueError("head_dim must be >= 32 for vLLM's CPU attention")
         if self.num_heads * self.head_dim != self.hidden_size:
             raise ValueError("num_heads * head_dim must equal hidden_size")
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError("num_heads must be a multiple of num_kv_heads")
+        if self.torch_dtype not in ("bfloat16", "float32"):
+            raise ValueError("torch_dtype must be bfloat16 or float32")
+
+    @classmethod
+    def sized(cls, num_layers: int | None = None, hidden_size: int | None = None, **other) -> "TinyCheckpointSpec":
+        """A spec of another depth and/or width: heads and MLP width follow hidden_size (head_dim 64, MLP 4x)."""
+        if hidden_size is not None and hidden_size != cls.hidden_size:
+            heads = hidden_size // cls.head_dim
+            other.setdefault("num_heads", heads)
+            other.setdefault("num_kv_heads", math.gcd(heads, cls.num_kv_heads) or 1)
+            other.setdefault("intermediate_size", 4 * hidden_size)
+            other["hidden_size"] = hidden_size
+        if num_layers is not None:
+            other["num_layers"] = num_layers
+        return cls(**other)
+
+    def weight_bytes(self, itemsize: int = 2) -> int:
+        """Bytes of the main model's weights at `itemsize` bytes per element (MTP layers excluded)."""
+        h, inter = self.hidden_size, self.intermediate_size
+        q, kv = self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        per_layer = (q + 2 * kv) * h + h * q + 2 * inter * h + h * inter
+        return (self.num_layers * per_layer + 2 * self.vocab_size * h) * itemsize
 
 
 def _train_tokenizer(vocab_size: int):
@@ -145,7 +193,7 @@ def _config_json(spec: TinyCheckpointSpec, vocab_size: int) -> dict:
         "max_position_embeddings": spec.max_position_embeddings,
         "num_nextn_predict_layers": spec.mtp_layers,
         "tie_word_embeddings": False,
-        "torch_dtype": "bfloat16",
+        "torch_dtype": spec.torch_dtype,
         "bos_token_id": 0,
         "eos_token_id": 0,
         "pad_token_id": 0,
@@ -246,8 +294,47 @@ def golden_items(spec: TinyCheckpointSpec, successor: np.ndarray, n_special: int
     return items
 
 
+def fingerprint(source: bytes, libraries: dict[str, str] | None = None) -> str:
+    """16 hex digits of (BUILDER_VERSION, builder source bytes, vendored data size, library versions)."""
+    digest = hashlib.sha256(f"builder-v{BUILDER_VERSION}\n".encode())
+    digest.update(source)
+    digest.update((GSM8K_DIR / "train.jsonl").stat().st_size.to_bytes(8, "little"))
+    for lib, ver in sorted((libraries or {}).items()):
+        digest.update(f"\n{lib}=={ver}".encode())
+    return digest.hexdigest()[:16]
+
+
+@functools.lru_cache(maxsize=1)
+def builder_fingerprint() -> str:
+    """The fingerprint of this builder: this module's source, BUILDER_VERSION, numpy's and tokenizers' versions."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    libraries = {}
+    for lib in ("numpy", "tokenizers"):
+        try:
+            libraries[lib] = version(lib)
+        except PackageNotFoundError:
+            libraries[lib] = "?"
+    return fingerprint(Path(__file__).read_bytes(), libraries)
+
+
+def checkpoint_key(spec: TinyCheckpointSpec, builder: str | None = None) -> str:
+    """12 hex digits naming (spec, builder fingerprint): equal keys build identical checkpoints."""
+    payload = json.dumps({"spec": asdict(spec), "builder": builder or builder_fingerprint()}, sort_keys=True)
+    return hashlib.sha256(payload.encode()).hexdigest()[:12]
+
+
+def checkpoint_dir(cache_dir: str | Path, spec: TinyCheckpointSpec) -> Path:
+    """Where the cache keeps this spec's checkpoint: readable fields, then the key."""
+    readable = (
+        f"L{spec.num_layers}-h{spec.hidden_size}-noise{spec.draft_noise:g}-"
+        f"{'broken' if spec.broken else 'ok'}-mtp{spec.mtp_layers}-s{spec.seed}"
+    )
+    return Path(cache_dir) / f"tiny-mimo-v2-{readable}-{checkpoint_key(spec)}"
+
+
 def write_checkpoint(out_dir: str | Path, spec: TinyCheckpointSpec) -> Path:
-    """Write config.json, tokenizer files, model.safetensors and golden.jsonl into out_dir."""
+    """Write config.json, tokenizer files, model.safetensors and golden.jsonl into out_dir (in place)."""
     from safetensors.torch import save_file
 
     out = Path(out_dir)
@@ -271,22 +358,103 @@ def write_checkpoint(out_dir: str | Path, spec: TinyCheckpointSpec) -> Path:
         )
     )
     (out / "generation_config.json").write_text(json.dumps({"eos_token_id": 0, "bos_token_id": 0}))
-    (out / "config.json").write_text(json.dumps(_config_json(spec, vocab_size), indent=2))
     tensors, successor = build_weights(spec, vocab_size, n_special)
     save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
     with open(out / "golden.jsonl", "w", encoding="utf-8") as f:
         for item in golden_items(spec, successor, n_special):
             item["prompt"] = tokenizer.decode(item["prompt_token_ids"])
             f.write(json.dumps(item) + "\n")
+    # config.json last: with it, the directory claims to be a whole checkpoint.
+    config = _config_json(spec, vocab_size)
+    config["mtp_canary_builder"] = builder_fingerprint()
+    (out / "config.json").write_text(json.dumps(config, indent=2))
     return out
 
 
-def ensure_checkpoint(out_dir: str | Path, spec: TinyCheckpointSpec) -> Path:
-    """Write the checkpoint unless out_dir already holds one built from the same spec."""
+def is_complete(out_dir: str | Path, spec: TinyCheckpointSpec) -> bool:
+    """out_dir holds every file of a checkpoint built from `spec` by this builder."""
     out = Path(out_dir)
-    config = out / "config.json"
-    if config.exists() and (out / "model.safetensors").exists() and (out / "golden.jsonl").exists():
-        built = json.loads(config.read_text()).get("mtp_canary_tiny")
-        if built == asdict(spec):
-            return out
-    return write_checkpoint(out, spec)
+    if not all((out / name).is_file() for name in CHECKPOINT_FILES):
+        return False
+    try:
+        config = json.loads((out / "config.json").read_text())
+    except (OSError, ValueError):
+        return False
+    return config.get("mtp_canary_tiny") == asdict(spec) and config.get("mtp_canary_builder") == builder_fingerprint()
+
+
+def _temp_prefix(out: Path) -> str:
+    return f".{out.name}.tmp-"
+
+
+def _sweep_stale(out: Path) -> None:
+    """Remove temporary siblings of out left by writers that died (older than STALE_TEMP_S)."""
+    now = time.time()
+    for prefix in (_temp_prefix(out), f".{out.name}.old-"):
+        for stale in out.parent.glob(prefix + "*"):
+            try:
+                if now - stale.stat().st_mtime > STALE_TEMP_S:
+                    shutil.rmtree(stale, ignore_errors=True)
+            except OSError:
+                continue
+
+
+def _replaceable(out: Path) -> bool:
+    """An existing out_dir may be replaced only if it holds nothing but checkpoint files."""
+    try:
+        return all(entry.name in CHECKPOINT_FILES for entry in out.iterdir())
+    except NotADirectoryError:
+        return False
+
+
+def ensure_checkpoint(out_dir: str | Path, spec: TinyCheckpointSpec) -> Path:
+    """out_dir, holding a checkpoint of `spec` by this builder: reused if there, else built atomically.
+
+    The build goes into a temporary sibling directory that is renamed onto
+    out_dir, so out_dir is never half-written. If another writer renamed its
+    build into place first, that one is used (same key, same contents). A
+    checkpoint of another spec or an older builder at out_dir (a fixed path,
+    e.g. the tests' one) is moved aside and replaced; a directory holding other
+    files is refused rather than deleted.
+    """
+    out = Path(out_dir)
+    if is_complete(out, spec):
+        return out
+    if out.exists() and not _replaceable(out):
+        raise FileExistsError(f"{out} holds files that are not a tiny checkpoint; not replacing it")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    _sweep_stale(out)
+    tmp = Path(tempfile.mkdtemp(prefix=_temp_prefix(out), dir=out.parent))
+    try:
+        os.chmod(tmp, 0o755)  # mkdtemp makes it 0700; a checkpoint is readable as a mkdir'd one was
+        write_checkpoint(tmp, spec)
+        _publish(tmp, out, spec)
+    finally:
+        shutil.rmtree(tmp, ignore_errors=True)
+    return out
+
+
+def _publish(tmp: Path, out: Path, spec: TinyCheckpointSpec) -> None:
+    """Rename the finished build tmp onto out (absent or empty: one atomic rename)."""
+    try:
+        os.rename(tmp, out)
+        return
+    except OSError as exc:
+        if exc.errno not in (errno.ENOTEMPTY, errno.EEXIST):
+            raise
+    if is_complete(out, spec):
+        return  # a concurrent writer won the race: its checkpoint is ours
+    # out holds another build (older builder, other spec, or a half-written one
+    # from the in-place writer of old): move it aside, then rename ours in.
+    aside = out.parent / f".{out.name}.old-{uuid.uuid4().hex[:8]}"
+    try:
+        os.rename(out, aside)
+    except FileNotFoundError:
+        pass
+    try:
+        os.rename(tmp, out)
+    except OSError as exc:
+        if exc.errno not in (errno.ENOTEMPTY, errno.EEXIST) or not is_complete(out, spec):
+            raise
+    finally:
+        shutil.rmtree(aside, ignore_errors=True)

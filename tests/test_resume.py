@@ -38,22 +38,23 @@ from benchmarks.stream_target import TargetProcess  # noqa: E402
 
 def test_a_lapsed_lease_runs_the_clean_up_and_ends_the_process(tmp_path):
     marker = tmp_path / "cleaned"
+    # times on the child's own monotonic clock: its start-up (seconds on a slow machine) counts for nothing
     code = textwrap.dedent(f"""
         import time
         from cluster.lease import Lease
-        lease = Lease("test", on_lapse=lambda: open({str(marker)!r}, "w").write("done"))
+        lease = Lease("test", on_lapse=lambda: open({str(marker)!r}, "w").write(repr(time.monotonic())))
         lease.renew(3.0)
         time.sleep(1.5)
+        print(time.monotonic(), flush=True)
         lease.renew(2.0)  # renewed: the first deadline passes harmlessly
         time.sleep(60)
         raise SystemExit(7)  # never reached: the lease ends the process first
     """)
-    started = time.monotonic()
-    proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=30)
-    elapsed = time.monotonic() - started
-    assert proc.returncode == 0, proc.stderr
-    assert marker.read_text() == "done"
-    assert 3.4 <= elapsed < 10, elapsed  # 1.5 s + 2 s lease (+ start-up), not the first deadline at 3 s
+    proc = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr  # ended by the lease, long before the 60 s sleep was over
+    renewed_at, lapsed_at = float(proc.stdout.split()[-1]), float(marker.read_text())
+    # the clean-up ran at the second deadline (2 s after the renewal), not at the first (1.5 s after it)
+    assert lapsed_at - renewed_at >= 2.0, lapsed_at - renewed_at
     assert "lease of test lapsed" in proc.stderr
 
 
@@ -66,7 +67,7 @@ def test_a_lease_needs_a_positive_time():
 
 @pytest.fixture(scope="module")
 def local_ray():
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, namespace="test-resume")
+    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False, namespace="test-resume")
     yield
     ray.shutdown()
 
@@ -90,12 +91,14 @@ def test_an_unrenewed_router_and_load_stop_themselves_keeping_every_record(local
                          traffic=TrafficOptions(records=str(records), max_tokens=16, model="m"),
                          log_dir=tmp_path / "locust")
         load = start_load_runner(spec, name="load")
-        # the router outlives the load: requests sent while the load stops still reach the target
-        ray.get([router.renew_lease.remote(20.0), load.renew_lease.remote(6.0)])
-        deadline = time.monotonic() + 60
+        # leases long enough for Locust to start on a slow machine; shortened once the load flows
+        ray.get([router.renew_lease.remote(300.0), load.renew_lease.remote(300.0)])
+        deadline = time.monotonic() + 240
         while time.monotonic() < deadline and not (records.exists() and records.stat().st_size):
             time.sleep(0.5)
         assert records.stat().st_size > 0, "the load never sent a request"
+        # the router outlives the load: requests sent while the load stops still reach the target
+        ray.get([router.renew_lease.remote(20.0), load.renew_lease.remote(6.0)])
         locust = [p.pid for p in server_processes() if str(tmp_path) in " ".join(p.cmdline())]
         assert locust, "no Locust process found for this load"
         # Nobody renews any more: both actors end themselves once their lease lapses.
@@ -141,7 +144,10 @@ def external_ray(tmp_path):
     try:
         yield f"{ray.util.get_node_ip_address()}:{port}"
     finally:
-        subprocess.run([_ray_cli(), "stop", "--force"], capture_output=True, timeout=120, env=env)
+        # only this cluster: `ray stop` would stop every Ray cluster on the machine
+        from tests.conftest import stop_ray_cluster
+
+        stop_ray_cluster(temp)
 
 
 def _config(tmp_path: Path, address: str) -> Path:
@@ -169,6 +175,14 @@ def _run_row(db: Path, run_id: str) -> dict | None:
     return dict(row) if row else None
 
 
+def _windows_of_step(db: Path, run_id: str, step: int) -> list[dict]:
+    """Committed guard windows of a progressive step (0-based, as the phase stores it)."""
+    with sqlite3.connect(db) as conn:
+        rows = conn.execute("SELECT result_json FROM phase_results WHERE run_id = ? AND phase = 'progressive'",
+                            (run_id,)).fetchall()
+    return [w for w in (json.loads(r[0]) for r in rows) if isinstance(w, dict) and w.get("step") == step]
+
+
 @pytest.mark.vllm
 def test_kill_9_mid_rollout_then_resume_reaches_a_decision_with_every_record_once(tmp_path, external_ray):
     runs = tmp_path / "runs"
@@ -187,7 +201,12 @@ def test_kill_9_mid_rollout_then_resume_reaches_a_decision_with_every_record_onc
         time.sleep(0.5)
     assert first.poll() is None, (tmp_path / "first.log").read_text()[-3000:]
     assert row and row["step"] == 2, row
-    time.sleep(5)  # mid-step: some of step 2's windows judged, some records only in flight
+    # mid-step, whatever the machine's speed: once a window of step 2 is judged and committed
+    # (some of its records stored, later ones only in flight), not after a fixed sleep
+    while time.monotonic() < deadline and first.poll() is None and not _windows_of_step(db, "crash", 1):
+        time.sleep(0.5)
+    assert _windows_of_step(db, "crash", 1), (tmp_path / "first.log").read_text()[-3000:]
+    time.sleep(1)
     first.send_signal(signal.SIGKILL)
     first.wait(30)
     log.close()
@@ -215,7 +234,8 @@ def test_kill_9_mid_rollout_then_resume_reaches_a_decision_with_every_record_onc
     with sqlite3.connect(db) as conn:
         stored = conn.execute("SELECT COUNT(*), COUNT(DISTINCT request_id) FROM request_samples "
                               "WHERE run_id = 'crash' AND phase = 'progressive'").fetchone()
-    assert stored[0] == stored[1] == progressive["records_stored"] == progressive["requests_received"] > 50
+    # (how many depends on the machine's speed; every step judged windows with records)
+    assert stored[0] == stored[1] == progressive["records_stored"] == progressive["requests_received"] > 0
     events = [(e["phase"], e["event"], e["reason"]) for e in decision["timeline"]]
     assert [r for _, e, r in events if e == "step_done"] == ["step 1/3 done", "step 2/3 done", "step 3/3 done"]
     assert any(e == "controller_resume" for _, e, _ in events)

@@ -223,7 +223,8 @@ def upstreams() -> Iterator[dict[str, UpstreamDouble]]:
 
 @pytest.fixture(scope="module")
 def ray_cluster() -> Iterator[None]:
-    ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False)
+    # a new instance of its own: ray.init() would join a `ray start`ed cluster on this machine
+    ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
     yield
     ray.shutdown()
 
@@ -439,15 +440,16 @@ def test_client_disconnect_aborts_the_upstream_request_without_counting_an_error
 
     async def read_first_event_then_hang_up() -> None:
         async with aiohttp.ClientSession() as http:
-            body = {"prompt": "hi", "chunks": 20, "chunk_delay_s": 0.1}
+            body = {"prompt": "hi", "chunks": 1200, "chunk_delay_s": 0.1}  # a 2-minute stream
             response = await http.post(f"{url}/v1/completions", json=body, headers={ARM_HEADER: "canary"})
             assert b'"index": 0' in await response.content.readany()
             response.close()
 
     asyncio.run(read_first_event_then_hang_up())
-    # The router closed its upstream connection, so the upstream stopped
-    # generating long before its 2 s stream would have ended.
-    deadline = time.monotonic() + 1.5
+    # The router closed its upstream connection, so the upstream stopped generating: its
+    # next write (0.1 s later) fails. Waited for generously (it takes a fraction of a second
+    # here), and still long before the 2-minute stream would have ended by itself.
+    deadline = time.monotonic() + 30
     while canary_upstream.streams_cut_by_peer == cut_before:
         assert time.monotonic() < deadline, "the upstream kept streaming to a client that was gone"
         time.sleep(0.02)

@@ -1,4 +1,7 @@
-"""The decision webhook against a real HTTP server on 127.0.0.1: retries, gives up, never raises, stays bounded."""
+"""The decision webhook against a real HTTP server on 127.0.0.1: retries, gives up, never raises, stays bounded.
+
+Time bounds are the call's own (its back-offs, timeouts and deadline), each far from what
+the machine's speed adds: the tries against a local server take milliseconds."""
 
 from __future__ import annotations
 
@@ -10,7 +13,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
-from rollout.webhook import post_decision
+from rollout.webhook import BACKOFF_S, post_decision
 
 DOC = {"run_id": "r1", "decision": "promote", "gates": [{"name": "g", "verdict": "pass"}]}
 
@@ -75,9 +78,12 @@ def test_gives_up_after_the_retries_without_raising():
         started = time.monotonic()
         result = post_decision(hook.url, DOC, timeout_s=1, retries=3)
         elapsed = time.monotonic() - started
-    assert not result.ok and result.attempts == 3 and result.status == 502
+    assert not result.ok and result.attempts == 3 and result.status == 502 and len(hook.bodies) == 3
     assert "HTTP 502" in result.error
-    assert elapsed < 3 * 1 + 0.5 + 1.0 + 1.0  # tries + back-offs + slack
+    # it backed off between the tries (0.5 s, then 1 s), and stopped after the third: no
+    # further back-off (2 s) and try
+    backoffs = BACKOFF_S + 2 * BACKOFF_S
+    assert backoffs <= elapsed < backoffs + 4 * BACKOFF_S, elapsed
 
 
 def test_a_4xx_is_not_retried():
@@ -96,12 +102,14 @@ def test_nobody_listening_is_retried_and_returned():
 
 
 def test_a_slow_receiver_cannot_hold_the_decision():
-    with Receiver([200], delay_s=3.0) as hook:
+    with Receiver([200], delay_s=20.0) as hook:
         started = time.monotonic()
         result = post_decision(hook.url, DOC, timeout_s=0.5, retries=2)
         elapsed = time.monotonic() - started
-    assert not result.ok and result.attempts == 2
-    assert elapsed < 0.5 * 2 + 0.5 + 1.0
+    assert not result.ok and result.attempts == 2 and len(hook.bodies) == 2
+    # two tries of 0.5 s and a back-off: it waited out its own timeouts, not the receiver's
+    # 20 s (a single answer would have taken that long)
+    assert 2 * 0.5 + BACKOFF_S <= elapsed < hook.delay_s / 2, elapsed
 
 
 def test_the_total_deadline_bounds_everything():
@@ -109,7 +117,21 @@ def test_the_total_deadline_bounds_everything():
         started = time.monotonic()
         result = post_decision(hook.url, DOC, timeout_s=5, retries=10, deadline_s=1.5)
         elapsed = time.monotonic() - started
-    assert not result.ok and elapsed < 2.5
+    # 10 tries would back off 0.5 + 1 + 2 + 4 + ... s; the deadline ends it at 1.5 s, in the
+    # middle of the second back-off (1 s, after 0.5 s): before the third try's back-off
+    # (2 s) could even start, and long before the 27.5 s the back-offs of 10 tries add up to
+    assert not result.ok and 2 <= result.attempts <= 3 and len(hook.bodies) == result.attempts
+    assert 1.5 <= elapsed < 1.5 + 4 * BACKOFF_S, elapsed
+
+
+def test_the_deadline_cuts_a_try_short():
+    with Receiver([200], delay_s=20.0) as hook:
+        started = time.monotonic()
+        result = post_decision(hook.url, DOC, timeout_s=10, retries=3, deadline_s=1.0)
+        elapsed = time.monotonic() - started
+    # the one try got what was left of the deadline, not its own 10 s timeout
+    assert not result.ok and result.attempts == 1
+    assert 1.0 <= elapsed < 10 / 2, elapsed
 
 
 @pytest.mark.parametrize("url", ["not a url", "ftp://127.0.0.1/x", ""])
