@@ -151,8 +151,10 @@ class GatesConfig(pydantic.BaseModel, extra="forbid"):
         5,
         ge=1,
         le=stats.MAX_PLANNED_LOOKS,
-        description="Planned looks (equal windows) over which alpha is spent; the controller may stop at any of "
-        "them. Looks past this number reuse the last boundary and are outside the error guarantee.",
+        description="Planned equal looks over which alpha is spent when a judge is called without information "
+        "fractions (calibrate's simulated design). The experiment plans its own looks "
+        "(experiment.requests_per_arm / requests_per_look) and spends alpha at the observed information fractions. "
+        "Looks past this number reuse the last boundary and are outside the error guarantee.",
     )
     enabled: list[str] | None = Field(
         None,
