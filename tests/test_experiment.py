@@ -115,9 +115,11 @@ def run_phase(tmp_path, router, router_url, exp: ExperimentConfig, gates: GatesC
     return phase.run(), store, lines
 
 
-# acceptance has no /metrics here (disabled); a lenient error guard so that it decides early
-GATES = GatesConfig(min_acceptance_length=None, error_rate_max_increase=0.5, ttft_p95_max_ratio=2.0,
-                    min_requests_per_arm=20)
+# These tests are about when the phase looks and stops, so only the objective and a lenient error
+# guard judge: acceptance has no /metrics here, and the TTFT p95 guard would judge the CPU
+# contention of a slow machine (router, Locust and pytest on the same cores), not the targets.
+GATES = GatesConfig(min_acceptance_length=None, error_rate_max_increase=0.5, min_requests_per_arm=20,
+                    enabled=["tpot_p50_improvement", "error_rate_guard"])
 
 
 def verdicts(outcome) -> dict[str, Verdict]:
@@ -217,7 +219,9 @@ def test_the_web_ui_stays_at_one_url_from_the_first_look_to_the_last(local_ray, 
                 polls.append((time.time(), 0))
             time.sleep(0.5)
 
-    with TargetProcess(ttft_ms=20, tpot_ms=20) as baseline, TargetProcess(ttft_ms=20, tpot_ms=18) as canary:
+    # the small effect's setup: undecided at the first look, so there are several looks to poll across
+    with TargetProcess(ttft_ms=20, tpot_ms=20, tpot_jitter=0.3, seed=7) as baseline, \
+            TargetProcess(ttft_ms=20, tpot_ms=17, tpot_jitter=0.3, seed=7) as canary:
         router, url = start_router(baseline.url, canary.url)
         poller = threading.Thread(target=poll, daemon=True)
         poller.start()
