@@ -13,6 +13,7 @@ import logging
 import threading
 import time
 import urllib.request
+from contextlib import contextmanager
 
 import pytest
 import ray
@@ -84,11 +85,17 @@ def local_ray():
     ray.shutdown()
 
 
-def start_router(baseline_url: str, canary_url: str):
+@contextmanager
+def routed(baseline_url: str, canary_url: str):
+    """A real Router actor over the two targets: (actor, url), stopped and killed at the end."""
     router = Router.remote(initial_weights={"baseline": 100.0, "canary": 0.0}, seed=0)
-    url = ray.get(router.start.remote())
-    ray.get(router.set_arms.remote({"baseline": [baseline_url], "canary": [canary_url]}))
-    return router, url
+    try:
+        url = ray.get(router.start.remote())
+        ray.get(router.set_arms.remote({"baseline": [baseline_url], "canary": [canary_url]}))
+        yield router, url
+    finally:
+        ray.get(router.stop.remote())
+        ray.kill(router)
 
 
 def run_phase(tmp_path, router, router_url, exp: ExperimentConfig, gates: GatesConfig, web_port: int | None = None):
@@ -132,14 +139,10 @@ def test_a_big_effect_stops_early_and_every_request_has_one_record(local_ray, tm
     # the same spread, a big effect (TPOT ratio 0.4): shown long before the plan's end
     with TargetProcess(ttft_ms=20, tpot_ms=20, tpot_jitter=0.3, seed=1) as baseline, \
             TargetProcess(ttft_ms=20, tpot_ms=8, tpot_jitter=0.3, seed=2) as canary:
-        router, url = start_router(baseline.url, canary.url)
-        try:
+        with routed(baseline.url, canary.url) as (router, url):
             before = sum(router_request_counts(router).values())
             outcome, store, lines = run_phase(tmp_path, router, url, exp, GATES)
             received = sum(router_request_counts(router).values()) - before
-        finally:
-            ray.get(router.stop.remote())
-            ray.kill(router)
     summary = outcome.summary
     assert verdicts(outcome)["tpot_p50_improvement"] == Verdict.PASS
     # the objective is shown at the first look (ratio 0.4: upper bound ~0.55 at look 1's strict
@@ -166,12 +169,8 @@ def test_a_small_effect_keeps_looking_to_the_plan(local_ray, tmp_path):
     # O'Brien-Fleming z ~3.7) puts the upper bound near 1.15, and the phase keeps looking
     with TargetProcess(ttft_ms=20, tpot_ms=20, tpot_jitter=0.3, seed=7) as baseline, \
             TargetProcess(ttft_ms=20, tpot_ms=17, tpot_jitter=0.3, seed=7) as canary:
-        router, url = start_router(baseline.url, canary.url)
-        try:
+        with routed(baseline.url, canary.url) as (router, url):
             outcome, _, lines = run_phase(tmp_path, router, url, exp, GATES)
-        finally:
-            ray.get(router.stop.remote())
-            ray.kill(router)
     summary = outcome.summary
     looks = summary["looks"]
     assert len(looks) >= 2, lines
@@ -188,12 +187,8 @@ def test_the_wall_clock_cap_ends_the_phase_with_the_counts_in_the_reason(local_r
     exp = ExperimentConfig(requests_per_look=100, requests_per_arm=5000, window_s=1, users_per_replica=2, max_tokens=12,
                            max_duration_s=12, workers=1, worker_placement="local")
     with TargetProcess(ttft_ms=20, tpot_ms=20) as baseline, TargetProcess(ttft_ms=20, tpot_ms=19) as canary:
-        router, url = start_router(baseline.url, canary.url)
-        try:
+        with routed(baseline.url, canary.url) as (router, url):
             outcome, _, _ = run_phase(tmp_path, router, url, exp, GATES)
-        finally:
-            ray.get(router.stop.remote())
-            ray.kill(router)
     reason = outcome.capped_reason
     assert reason is not None and "max_duration_s (12 s)" in reason
     assert f"the plan needs {exp.requests_per_arm} per arm" in reason
@@ -222,16 +217,14 @@ def test_the_web_ui_stays_at_one_url_from_the_first_look_to_the_last(local_ray, 
     # the small effect's setup: undecided at the first look, so there are several looks to poll across
     with TargetProcess(ttft_ms=20, tpot_ms=20, tpot_jitter=0.3, seed=7) as baseline, \
             TargetProcess(ttft_ms=20, tpot_ms=17, tpot_jitter=0.3, seed=7) as canary:
-        router, url = start_router(baseline.url, canary.url)
-        poller = threading.Thread(target=poll, daemon=True)
-        poller.start()
-        try:
-            outcome, store, _ = run_phase(tmp_path, router, url, exp, GATES, web_port=port)
-        finally:
-            done.set()
-            poller.join(10)
-            ray.get(router.stop.remote())
-            ray.kill(router)
+        with routed(baseline.url, canary.url) as (router, url):
+            poller = threading.Thread(target=poll, daemon=True)
+            poller.start()
+            try:
+                outcome, store, _ = run_phase(tmp_path, router, url, exp, GATES, web_port=port)
+            finally:
+                done.set()
+                poller.join(10)
     looks = outcome.summary["looks"]
     assert len(looks) >= 2
     # polled every 0.5 s from before the load to after it: up at one URL from the first look to the last
