@@ -1,8 +1,24 @@
-"""Real vLLM (CPU build) replicas started through Fleet on local Ray."""
+"""Real vLLM (CPU build) replicas started through Fleet on local Ray.
+
+A vLLM start is the slowest thing in the suite (~45 s here, minutes on a slow 2-core
+machine), so the module starts one fleet (baseline k=1, canary k=3 on the tiny checkpoint)
+and its tests use it in this order, the destructive ones last:
+1. a parallel start, golden outputs, rollout.evals exact and lossless, speculation metrics;
+2. the progressive phase over it: steps 10 -> 50 -> 100 with a pause answered by
+   `mtp-canary promote` from another process, then a pause nobody answers;
+3. the canary's vLLM server SIGKILLed mid-step: rolled back within a window;
+4. the baseline's actor killed without stopping its server: the reaper stops the server.
+Before any of them, a bad engine argument with a fleet of its own (fails fast, tears down).
+"""
 
 from __future__ import annotations
 
 import json
+import os
+import signal
+import subprocess
+import sys
+import threading
 import time
 
 import psutil
@@ -12,8 +28,14 @@ import requests
 
 from cluster.engine_spec import CpuLimits, EngineSpec
 from cluster.fleet import ArmSpec, Fleet, FleetStartError
+from cluster.router import Router
+from rollout.config import GuardConfig, ProgressiveConfig, RolloutStep
 from rollout.evals import EvalSpec, evaluate_batch, load_items, outputs_differ
-from tests.conftest import wait_no_server_processes
+from rollout.gates import Decision
+from rollout.progressive import PHASE, run_progressive
+from rollout.store import RunStore
+from tests.conftest import REPO, wait_gone, wait_no_server_processes
+from tests.progressive_harness import Harness, assert_split_within_a_block, locust_processes
 
 pytestmark = pytest.mark.vllm
 
@@ -38,6 +60,65 @@ def local_ray():
     ray.init(address="local", num_cpus=2, include_dashboard=False, log_to_driver=False)
     yield
     ray.shutdown()
+
+
+def test_a_bad_engine_arg_fails_fast_with_its_log_and_tears_down_the_others(local_ray, tiny_model_dir, tiny_dtype, tmp_path):
+    fleet = Fleet(
+        [
+            ArmSpec(name="baseline", engine=engine(tiny_model_dir, 1, tiny_dtype)),
+            ArmSpec(name="canary", engine=engine(tiny_model_dir, 3, tiny_dtype, extra_args=["--no-such-engine-flag", "1"])),
+        ],
+        log_dir=str(tmp_path / "logs"),
+        progress=print,
+    )
+    timeout_s = 600
+    started = time.monotonic()
+    with pytest.raises(FleetStartError) as err:
+        fleet.start(timeout_s=timeout_s)
+    # fails as soon as the server exits on the flag, not at the start timeout (on any machine:
+    # the failure comes right after `import vllm`, which takes well under half of it)
+    assert time.monotonic() - started < timeout_s / 2
+    message = str(err.value)
+    assert "canary-0 failed to start" in message
+    assert "no-such-engine-flag" in message  # the log tail shows the cause
+    assert fleet.replicas == []
+    assert wait_no_server_processes() == []
+
+
+# ======================================================================================
+# One fleet for the rest of the module
+# ======================================================================================
+@pytest.fixture(scope="module")
+def fleet(local_ray, tiny_model_dir, tiny_dtype, tmp_path_factory):
+    fleet = Fleet([ArmSpec(name="baseline", engine=engine(tiny_model_dir, 1, tiny_dtype)),
+                   ArmSpec(name="canary", engine=engine(tiny_model_dir, 3, tiny_dtype))],
+                  log_dir=str(tmp_path_factory.mktemp("fleet-logs")), progress=print)
+    fleet.start(timeout_s=600)
+    pgids = [h.status.pid for h in fleet.replicas]
+    yield fleet
+    fleet.teardown()
+
+    def left() -> list[int]:
+        out = []
+        for proc in psutil.process_iter(["status"]):
+            try:
+                if proc.info["status"] != psutil.STATUS_ZOMBIE and os.getpgid(proc.pid) in pgids:
+                    out.append(proc.pid)
+            except (psutil.NoSuchProcess, ProcessLookupError, PermissionError):
+                pass
+        return out
+
+    assert wait_gone(left, timeout_s=60) == [], "vLLM processes of this module outlived the fleet"
+    assert wait_no_server_processes() == []
+
+
+@pytest.fixture(scope="module")
+def router(local_ray):
+    actor = Router.remote(initial_weights={"baseline": 100.0, "canary": 0.0}, seed=0)
+    url = ray.get(actor.start.remote())
+    yield actor, url
+    ray.get(actor.stop.remote())
+    ray.kill(actor)
 
 
 def greedy_ids(url: str, prompt_ids: list[int], n: int) -> list[int]:
@@ -82,64 +163,158 @@ def check_evals_are_exact_and_lossless(baseline_url: str, canary_url: str, model
     assert not any(outputs_differ(b, c) for b, c in zip(results["baseline"], results["canary"]))
 
 
-def test_baseline_and_canary_serve_the_golden_outputs_and_the_canary_speculates(local_ray, tiny_model_dir, tiny_dtype, tmp_path):
-    fleet = Fleet(
-        [ArmSpec(name="baseline", engine=engine(tiny_model_dir, 1, tiny_dtype)), ArmSpec(name="canary", engine=engine(tiny_model_dir, 3, tiny_dtype))],
-        log_dir=str(tmp_path / "logs"),
-        progress=print,
-    )
-    with fleet:
-        urls = fleet.start(timeout_s=600)
-        # Parallel start: every replica was launched before any was ready (a serial start
-        # launches the next one only after the previous one is up).
-        spans = [(h.status.launched_at, h.status.launched_at + h.status.elapsed_s) for h in fleet.replicas]
-        assert max(start for start, _ in spans) < min(ready for _, ready in spans), spans
-        golden = [json.loads(line) for line in (tiny_model_dir / "golden.jsonl").read_text().splitlines()[:8]]
-        for item in golden:
-            want = item["expected_token_ids"]
-            assert greedy_ids(urls["baseline"][0], item["prompt_token_ids"], len(want)) == want
-            assert greedy_ids(urls["canary"][0], item["prompt_token_ids"], len(want)) == want
-        check_evals_are_exact_and_lossless(urls["baseline"][0], urls["canary"][0], tiny_model_dir)
-        metrics = fleet.metrics()
-        canary = metrics["canary-0"].spec_decode
-        assert canary.drafts > 0
-        assert canary.acceptance_rate >= 0.9
-        assert len(canary.accepted_per_position) == 3
-        assert metrics["baseline-0"].spec_decode.acceptance_rate >= 0.9
-        warnings = fleet.engine_warnings()
-        assert any("same MTP layer" in w for w in warnings["canary-0"])
-        assert not any("same MTP layer" in w for w in warnings["baseline-0"])
+def test_baseline_and_canary_serve_the_golden_outputs_and_the_canary_speculates(fleet, tiny_model_dir):
+    # Parallel start: every replica was launched before any was ready (a serial start
+    # launches the next one only after the previous one is up).
+    spans = [(h.status.launched_at, h.status.launched_at + h.status.elapsed_s) for h in fleet.replicas]
+    assert max(start for start, _ in spans) < min(ready for _, ready in spans), spans
+    urls = fleet.urls()
+    golden = [json.loads(line) for line in (tiny_model_dir / "golden.jsonl").read_text().splitlines()[:8]]
+    for item in golden:
+        want = item["expected_token_ids"]
+        assert greedy_ids(urls["baseline"][0], item["prompt_token_ids"], len(want)) == want
+        assert greedy_ids(urls["canary"][0], item["prompt_token_ids"], len(want)) == want
+    check_evals_are_exact_and_lossless(urls["baseline"][0], urls["canary"][0], tiny_model_dir)
+    metrics = fleet.metrics()
+    canary = metrics["canary-0"].spec_decode
+    assert canary.drafts > 0
+    assert canary.acceptance_rate >= 0.9
+    assert len(canary.accepted_per_position) == 3
+    assert metrics["baseline-0"].spec_decode.acceptance_rate >= 0.9
+    warnings = fleet.engine_warnings()
+    assert any("same MTP layer" in w for w in warnings["canary-0"])
+    assert not any("same MTP layer" in w for w in warnings["baseline-0"])
 
-        # An actor killed without stopping its server: the reaper stops the server.
-        victim = fleet.handles("canary")[0]
-        server_pid = victim.status.pid
-        ray.kill(victim.actor)
-        deadline = time.monotonic() + 40
-        while psutil.pid_exists(server_pid) and time.monotonic() < deadline:
+
+# --------------------------------------------------------------------------------------
+# The progressive phase over the fleet
+# --------------------------------------------------------------------------------------
+VLLM_TRAFFIC = {"dataset": "synthetic", "input_tokens": "16", "max_tokens": 32, "endpoint": "completions", "seed": 3}
+
+
+def vllm_harness(tmp_path, router, fleet, run_id: str) -> Harness:
+    actor, url = router
+    ray.get(actor.set_arms.remote(fleet.urls()))
+    ray.get(actor.set_weights.remote({"baseline": 100.0, "canary": 0.0}))
+
+    def alive() -> dict[str, bool]:
+        answers = ray.get([h.actor.alive.remote() for h in fleet.replicas], timeout=20)
+        return {h.name: a for h, a in zip(fleet.replicas, answers)}
+
+    return Harness(tmp_path, run_id, actor, url, {h.name: (h.arm, h) for h in fleet.replicas},
+                   scrape=fleet.metrics, alive=alive)
+
+
+def vllm_config(steps: list[dict], **kw) -> ProgressiveConfig:
+    return ProgressiveConfig(
+        enabled=True,
+        steps=[RolloutStep(**s) for s in steps],
+        # SLOs loose enough for two replicas, Locust and the test sharing 2 CPU cores
+        guards=GuardConfig(window_s=10, min_requests=5, ttft_p95_max_s=15.0, tpot_p95_max_s=2.0,
+                           min_acceptance_length=1.5),
+        users=4,
+        **kw,
+    )
+
+
+def test_vllm_steps_10_50_100_with_a_pause_promoted_from_another_process(tmp_path, router, fleet):
+    h = vllm_harness(tmp_path, router, fleet, "vllm-promote")
+    config = vllm_config([{"canary_weight": 10, "bake_s": 20}, {"canary_weight": 50, "bake_s": 20, "pause": True},
+                          {"canary_weight": 100, "bake_s": 20}], pause_timeout_s=120)
+    promoted: list[int] = []
+
+    def promote_from_the_cli() -> None:
+        store = RunStore(h.store.path)
+        deadline = time.monotonic() + 180
+        while time.monotonic() < deadline and not any(e["event"] == "pause" for e in store.events(h.run_id)):
             time.sleep(0.5)
-        assert not psutil.pid_exists(server_pid) or psutil.Process(server_pid).status() == psutil.STATUS_ZOMBIE
-        assert requests.get(f"{urls['baseline'][0]}/health", timeout=5).status_code == 200
-    assert wait_no_server_processes() == []
+        time.sleep(2)
+        proc = subprocess.run([sys.executable, "-m", "rollout", "promote", h.run_id, "--runs-dir", str(h.runs_dir)],
+                              cwd=REPO, capture_output=True, text=True, timeout=60)
+        promoted.append(proc.returncode)
+
+    answer = threading.Thread(target=promote_from_the_cli)
+    answer.start()
+    outcome = run_progressive(h.context(config, "tiny", speculative=True, traffic=VLLM_TRAFFIC, n_workers=0))
+    answer.join()
+    assert promoted == [0]
+    assert outcome.decision == Decision.PROMOTE, outcome.reason
+    assert outcome.steps_completed == 3
+    assert [s["canary_weight"] for s in outcome.observed_split] == [10, 50, 100]
+    assert_split_within_a_block(outcome)
+    assert outcome.observed_split[2]["observed_canary_share"] == 1.0
+    verdicts = {g.name: g.verdict.value for g in outcome.guards}
+    assert set(verdicts.values()) == {"pass"}, outcome.guards
+    accept = next(g for g in outcome.guards if g.name == "guard_acceptance_length")
+    assert accept.canary > 3.0  # k=3 drafts on the tiny checkpoint are always right
+    events = [(e, r) for e, r in h.events()]
+    names = [e for e, _ in events]
+    assert names[0] == "plan" and names[-1] == "done"
+    order = [r for e, r in events if e in ("weights", "pause", "resume")]
+    assert [o.split(":")[0] for o in order] == ["canary 10%", "canary 50%", "after step 2 (canary 50%)",
+                                                "promote command", "canary 100%"]
+    h.check_records()
+    samples = h.store.count_request_samples(h.run_id, PHASE)
+    assert samples == outcome.records > 20
+    assert wait_gone(lambda: locust_processes(str(tmp_path))) == []
 
 
-def test_a_bad_engine_arg_fails_fast_with_its_log_and_tears_down_the_others(local_ray, tiny_model_dir, tiny_dtype, tmp_path):
-    fleet = Fleet(
-        [
-            ArmSpec(name="baseline", engine=engine(tiny_model_dir, 1, tiny_dtype)),
-            ArmSpec(name="canary", engine=engine(tiny_model_dir, 3, tiny_dtype, extra_args=["--no-such-engine-flag", "1"])),
-        ],
-        log_dir=str(tmp_path / "logs"),
-        progress=print,
-    )
-    timeout_s = 600
-    started = time.monotonic()
-    with pytest.raises(FleetStartError) as err:
-        fleet.start(timeout_s=timeout_s)
-    # fails as soon as the server exits on the flag, not at the start timeout (on any machine:
-    # the failure comes right after `import vllm`, which takes well under half of it)
-    assert time.monotonic() - started < timeout_s / 2
-    message = str(err.value)
-    assert "canary-0 failed to start" in message
-    assert "no-such-engine-flag" in message  # the log tail shows the cause
-    assert fleet.replicas == []
-    assert wait_no_server_processes() == []
+def test_vllm_unanswered_pause_rolls_back(tmp_path, router, fleet):
+    h = vllm_harness(tmp_path, router, fleet, "vllm-timeout")
+    config = vllm_config([{"canary_weight": 50, "bake_s": 10, "pause": True}, {"canary_weight": 100, "bake_s": 10}],
+                         pause_timeout_s=4)
+    outcome = run_progressive(h.context(config, "tiny", speculative=True, traffic=VLLM_TRAFFIC, n_workers=0))
+    assert outcome.decision == Decision.ROLLBACK and "timed out" in outcome.reason
+    assert h.weight_log[-1][1] == 0.0 and ray.get(router[0].get_state.remote())["weights"]["canary"] == 0.0
+    h.check_records()
+    assert wait_gone(lambda: locust_processes(str(tmp_path))) == []
+
+
+def test_vllm_canary_killed_mid_step_is_aborted_within_one_window(tmp_path, router, fleet):
+    # the canary stays dead
+    h = vllm_harness(tmp_path, router, fleet, "vllm-kill")
+    config = vllm_config([{"canary_weight": 50, "bake_s": 60}, {"canary_weight": 100, "bake_s": 10}])
+    canary = fleet.handles("canary")[0]
+    pid = ray.get(canary.actor.status.remote()).pid
+    killed_at: list[float] = []
+
+    def kill_mid_window() -> None:
+        store = RunStore(h.store.path)
+        deadline = time.monotonic() + 120
+        while time.monotonic() < deadline and not any(e["event"] == "window" for e in store.events(h.run_id)):
+            time.sleep(0.2)
+        time.sleep(4)
+        killed_at.append(time.time())
+        os.killpg(pid, signal.SIGKILL)
+
+    killer = threading.Thread(target=kill_mid_window)
+    killer.start()
+    outcome = run_progressive(h.context(config, "tiny", speculative=True, traffic=VLLM_TRAFFIC, n_workers=0))
+    killer.join()
+    assert killed_at, "the first window never closed"
+    assert outcome.decision == Decision.ROLLBACK, outcome.reason
+    # seen and rolled back within the window of the kill or the next one, long before the 60 s
+    # bake ends: a health poll of a busy machine may take seconds, so no tighter wall-clock bound
+    assert outcome.rolled_back_at > killed_at[0]
+    assert len([w for w in h.window_results() if w["start"] > killed_at[0]]) <= 1, h.window_results()
+    assert "guard_replica_health" in {g.name for g in outcome.guards}
+    assert h.weight_log[-1][1] == 0.0 and ray.get(router[0].get_state.remote())["weights"]["canary"] == 0.0
+    assert outcome.steps_completed == 0
+    last = h.window_results()[-1]
+    assert last["closed_early"] and any(g["verdict"] == "fail" for g in last["gates"])
+    committed = [r for r in h.store.all_phase_results(h.run_id) if r["phase"] == PHASE][-1]
+    assert committed["time"] <= outcome.rolled_back_at  # committed first, then acted on
+    h.check_records()
+    assert wait_gone(lambda: locust_processes(str(tmp_path))) == []
+
+def test_an_actor_killed_without_stopping_its_server_has_its_server_reaped(fleet):
+    # last in the module (the canary's server was SIGKILLed above): the baseline's actor dies
+    # without a stop(), and the reaper it started stops its vLLM server
+    victim = fleet.handles("baseline")[0]
+    server_pid = victim.status.pid
+    assert psutil.pid_exists(server_pid)
+    ray.kill(victim.actor)
+    deadline = time.monotonic() + 40
+    while psutil.pid_exists(server_pid) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    assert not psutil.pid_exists(server_pid) or psutil.Process(server_pid).status() == psutil.STATUS_ZOMBIE

@@ -1,28 +1,19 @@
 """The progressive phase end to end: a real Router actor, real Locust through it, real SQLite.
 
-Two sets of upstreams:
-- fast tests: the benchmark stream target (a zero-work OpenAI streaming server) as the
-  baseline and canary replicas, for the loop's logic (steps, windows, pause, abort);
-- `vllm` tests: real vLLM CPU replicas (baseline k=1, canary k=3 on the tiny
-  checkpoint), one fleet for the module: steps 10 -> 50 -> 100 with a pause answered
-  by `mtp-canary promote` from another process, a pause that times out, and last a
-  canary whose vLLM server is SIGKILLed mid-step.
+The upstreams here are the benchmark stream target (a zero-work OpenAI streaming server)
+as the baseline and canary replicas, for the loop's logic (steps, windows, pause, abort).
+The same phase over real vLLM CPU replicas is in tests/test_fleet.py, on that module's
+one fleet (a vLLM start is the slowest thing in the suite: one fleet serves all of them).
 """
 
 from __future__ import annotations
 
 import json
-import os
-import signal
 import subprocess
 import sys
 import threading
 import time
-from collections.abc import Callable
-from pathlib import Path
-from typing import Any
 
-import psutil
 import pytest
 import ray
 import requests
@@ -32,9 +23,10 @@ from cluster.router import Router
 from loadtests.records import read_records
 from rollout.config import GuardConfig, ProgressiveConfig, RolloutStep
 from rollout.gates import Decision
-from rollout.progressive import PHASE, ProgressiveContext, ProgressiveOutcome, run_progressive
+from rollout.progressive import PHASE, run_progressive
 from rollout.store import RunStore
 from tests.conftest import REPO, wait_gone
+from tests.progressive_harness import Harness, assert_split_follows, locust_processes
 
 sys.path.insert(0, str(REPO))
 from benchmarks.stream_target import TargetProcess  # noqa: E402
@@ -54,100 +46,6 @@ def router(local_ray):
     yield actor, url
     ray.get(actor.stop.remote())
     ray.kill(actor)
-
-
-def locust_processes(marker: str) -> list[psutil.Process]:
-    found = []
-    for proc in psutil.process_iter(["cmdline", "status"]):
-        try:
-            if proc.info["status"] != psutil.STATUS_ZOMBIE and marker in " ".join(proc.info["cmdline"] or []):
-                found.append(proc)
-        except (psutil.NoSuchProcess, psutil.AccessDenied):
-            pass
-    return found
-
-
-class Harness:
-    """A controller stand-in: the callables run_progressive gets, recording what happened."""
-
-    def __init__(self, tmp_path: Path, run_id: str, router, router_url: str, replicas: dict[str, Any],
-                 scrape: Callable[[], dict[str, MetricsSnapshot]], alive: Callable[[], dict[str, bool]]):
-        self.run_id = run_id
-        self.runs_dir = tmp_path / "runs"
-        self.store = RunStore(self.runs_dir / "history.db")
-        self.store.create_run(run_id, "test", "m", {"baseline": {}, "canary": {}})
-        self.router = router
-        self.router_url = router_url
-        self.replicas = replicas
-        self._scrape = scrape
-        self._alive = alive
-        self.weight_log: list[tuple[float, float, str]] = []  # (time, weight, reason)
-        self.lines: list[str] = []
-
-    def set_canary_weight(self, weight: float, reason: str) -> None:
-        ray.get(self.router.set_weights.remote({"baseline": 100.0 - weight, "canary": weight}))
-        self.weight_log.append((time.time(), weight, reason))
-        self.store.add_event(self.run_id, PHASE, "weights", f"canary {weight:g}%: {reason}", canary_weight=weight)
-
-    def event(self, event: str, reason: str) -> None:
-        weight = self.weight_log[-1][1] if self.weight_log else 0.0
-        self.store.add_event(self.run_id, PHASE, event, reason, canary_weight=weight)
-
-    def say(self, line: str) -> None:
-        self.lines.append(line)
-        print(f"progressive: {line}", flush=True)
-
-    def context(self, config: ProgressiveConfig, model: str, speculative: bool, traffic: dict | None = None,
-                n_workers: int = 0) -> ProgressiveContext:
-        return ProgressiveContext(
-            run_id=self.run_id,
-            run_dir=self.runs_dir / self.run_id,
-            config=config,
-            router=self.router,
-            router_url=self.router_url,
-            model=model,
-            traffic=traffic or {"dataset": "synthetic", "input_tokens": "8", "max_tokens": 16, "endpoint": "completions", "seed": 1},
-            set_canary_weight=self.set_canary_weight,
-            event=self.event,
-            say=self.say,
-            scrape=self._scrape,
-            replica_arms={name: arm for name, (arm, _) in self.replicas.items()},
-            replicas_alive=self._alive,
-            store=self.store,
-            speculative_canary=speculative,
-            n_workers=n_workers,
-        )
-
-    def events(self) -> list[tuple[str, str]]:
-        return [(e["event"], e["reason"]) for e in self.store.events(self.run_id)]
-
-    def window_results(self) -> list[dict]:
-        return self.store.phase_results(self.run_id, PHASE)
-
-    def check_records(self) -> None:
-        """Every record the master wrote is in the store once, and nothing else."""
-        records = read_records(self.runs_dir / self.run_id / PHASE / "records.jsonl")
-        stored = self.store.request_samples(self.run_id, PHASE)
-        assert len(stored) == len(records) == self.store.count_request_samples(self.run_id, PHASE)
-        windows = [w for w, _ in stored]
-        assert windows == sorted(windows)
-
-
-def assert_split_within_a_block(outcome: ProgressiveOutcome, block: int = 10) -> None:
-    """The router's real guarantee: in every step the canary's routed count is within one shuffled
-    block (10 requests) of its weight's share, however few requests the step had."""
-    for step in outcome.observed_split:
-        routed = step["routed"]
-        total = sum(routed.values())
-        assert total > 0, step
-        assert abs(routed["canary"] - total * step["canary_weight"] / 100) <= block + 1, step
-
-
-def assert_split_follows(outcome: ProgressiveOutcome, tolerance: float) -> None:
-    for step in outcome.observed_split:
-        share = step["observed_canary_share"]
-        assert share is not None, step
-        assert abs(share * 100 - step["canary_weight"]) <= tolerance, step
 
 
 # ======================================================================================
@@ -393,161 +291,4 @@ def test_a_second_attempt_continues_the_numbering_and_stores_leftovers_once(tmp_
     windows = [w["window"] for w in h.window_results()]
     assert windows == sorted(set(windows)) and windows[-1] > last_window + 1
     assert "recovered" in [e for e, _ in h.events()]
-    assert wait_gone(lambda: locust_processes(str(tmp_path))) == []
-
-
-# ======================================================================================
-# Real vLLM CPU replicas: baseline k=1, canary k=3, one fleet for the module
-# ======================================================================================
-VLLM_TRAFFIC = {"dataset": "synthetic", "input_tokens": "16", "max_tokens": 32, "endpoint": "completions", "seed": 3}
-
-
-@pytest.fixture(scope="module")
-def fleet(local_ray, tiny_model_dir, tiny_dtype, tmp_path_factory):
-    from cluster.engine_spec import CpuLimits, EngineSpec
-    from cluster.fleet import ArmSpec, Fleet
-
-    def engine(k: int) -> EngineSpec:
-        return EngineSpec(
-            model=str(tiny_model_dir), served_model_name="tiny", device="cpu", dtype=tiny_dtype, max_model_len=1024,
-            enforce_eager=True, speculative_config={"method": "mtp", "num_speculative_tokens": k},
-            cpu=CpuLimits(omp_threads=1, kv_cache_gb=1), startup_timeout_s=300,
-        )
-
-    fleet = Fleet([ArmSpec(name="baseline", engine=engine(1)), ArmSpec(name="canary", engine=engine(3))],
-                  log_dir=str(tmp_path_factory.mktemp("fleet-logs")), progress=print)
-    fleet.start(timeout_s=400)
-    pgids = [h.status.pid for h in fleet.replicas]
-    yield fleet
-    fleet.teardown()
-
-    def left() -> list[int]:
-        out = []
-        for proc in psutil.process_iter(["status"]):
-            try:
-                if proc.info["status"] != psutil.STATUS_ZOMBIE and os.getpgid(proc.pid) in pgids:
-                    out.append(proc.pid)
-            except (psutil.NoSuchProcess, ProcessLookupError, PermissionError):
-                pass
-        return out
-
-    assert wait_gone(left, timeout_s=60) == [], "vLLM processes of this module outlived the fleet"
-
-
-def vllm_harness(tmp_path, router, fleet, run_id: str) -> Harness:
-    actor, url = router
-    ray.get(actor.set_arms.remote(fleet.urls()))
-    ray.get(actor.set_weights.remote({"baseline": 100.0, "canary": 0.0}))
-
-    def alive() -> dict[str, bool]:
-        answers = ray.get([h.actor.alive.remote() for h in fleet.replicas], timeout=20)
-        return {h.name: a for h, a in zip(fleet.replicas, answers)}
-
-    return Harness(tmp_path, run_id, actor, url, {h.name: (h.arm, h) for h in fleet.replicas},
-                   scrape=fleet.metrics, alive=alive)
-
-
-def vllm_config(steps: list[dict], **kw) -> ProgressiveConfig:
-    return ProgressiveConfig(
-        enabled=True,
-        steps=[RolloutStep(**s) for s in steps],
-        # SLOs loose enough for two replicas, Locust and the test sharing 2 CPU cores
-        guards=GuardConfig(window_s=10, min_requests=5, ttft_p95_max_s=15.0, tpot_p95_max_s=2.0,
-                           min_acceptance_length=1.5),
-        users=4,
-        **kw,
-    )
-
-
-@pytest.mark.vllm
-def test_vllm_steps_10_50_100_with_a_pause_promoted_from_another_process(tmp_path, router, fleet):
-    h = vllm_harness(tmp_path, router, fleet, "vllm-promote")
-    config = vllm_config([{"canary_weight": 10, "bake_s": 20}, {"canary_weight": 50, "bake_s": 20, "pause": True},
-                          {"canary_weight": 100, "bake_s": 20}], pause_timeout_s=120)
-    promoted: list[int] = []
-
-    def promote_from_the_cli() -> None:
-        store = RunStore(h.store.path)
-        deadline = time.monotonic() + 180
-        while time.monotonic() < deadline and not any(e["event"] == "pause" for e in store.events(h.run_id)):
-            time.sleep(0.5)
-        time.sleep(2)
-        proc = subprocess.run([sys.executable, "-m", "rollout", "promote", h.run_id, "--runs-dir", str(h.runs_dir)],
-                              cwd=REPO, capture_output=True, text=True, timeout=60)
-        promoted.append(proc.returncode)
-
-    answer = threading.Thread(target=promote_from_the_cli)
-    answer.start()
-    outcome = run_progressive(h.context(config, "tiny", speculative=True, traffic=VLLM_TRAFFIC, n_workers=0))
-    answer.join()
-    assert promoted == [0]
-    assert outcome.decision == Decision.PROMOTE, outcome.reason
-    assert outcome.steps_completed == 3
-    assert [s["canary_weight"] for s in outcome.observed_split] == [10, 50, 100]
-    assert_split_within_a_block(outcome)
-    assert outcome.observed_split[2]["observed_canary_share"] == 1.0
-    verdicts = {g.name: g.verdict.value for g in outcome.guards}
-    assert set(verdicts.values()) == {"pass"}, outcome.guards
-    accept = next(g for g in outcome.guards if g.name == "guard_acceptance_length")
-    assert accept.canary > 3.0  # k=3 drafts on the tiny checkpoint are always right
-    events = [(e, r) for e, r in h.events()]
-    names = [e for e, _ in events]
-    assert names[0] == "plan" and names[-1] == "done"
-    order = [r for e, r in events if e in ("weights", "pause", "resume")]
-    assert [o.split(":")[0] for o in order] == ["canary 10%", "canary 50%", "after step 2 (canary 50%)",
-                                                "promote command", "canary 100%"]
-    h.check_records()
-    samples = h.store.count_request_samples(h.run_id, PHASE)
-    assert samples == outcome.records > 20
-    assert wait_gone(lambda: locust_processes(str(tmp_path))) == []
-
-
-@pytest.mark.vllm
-def test_vllm_unanswered_pause_rolls_back(tmp_path, router, fleet):
-    h = vllm_harness(tmp_path, router, fleet, "vllm-timeout")
-    config = vllm_config([{"canary_weight": 50, "bake_s": 10, "pause": True}, {"canary_weight": 100, "bake_s": 10}],
-                         pause_timeout_s=4)
-    outcome = run_progressive(h.context(config, "tiny", speculative=True, traffic=VLLM_TRAFFIC, n_workers=0))
-    assert outcome.decision == Decision.ROLLBACK and "timed out" in outcome.reason
-    assert h.weight_log[-1][1] == 0.0 and ray.get(router[0].get_state.remote())["weights"]["canary"] == 0.0
-    h.check_records()
-    assert wait_gone(lambda: locust_processes(str(tmp_path))) == []
-
-
-@pytest.mark.vllm
-def test_vllm_canary_killed_mid_step_is_aborted_within_one_window(tmp_path, router, fleet):
-    # last in the module: the canary stays dead
-    h = vllm_harness(tmp_path, router, fleet, "vllm-kill")
-    config = vllm_config([{"canary_weight": 50, "bake_s": 60}, {"canary_weight": 100, "bake_s": 10}])
-    canary = fleet.handles("canary")[0]
-    pid = ray.get(canary.actor.status.remote()).pid
-    killed_at: list[float] = []
-
-    def kill_mid_window() -> None:
-        store = RunStore(h.store.path)
-        deadline = time.monotonic() + 120
-        while time.monotonic() < deadline and not any(e["event"] == "window" for e in store.events(h.run_id)):
-            time.sleep(0.2)
-        time.sleep(4)
-        killed_at.append(time.time())
-        os.killpg(pid, signal.SIGKILL)
-
-    killer = threading.Thread(target=kill_mid_window)
-    killer.start()
-    outcome = run_progressive(h.context(config, "tiny", speculative=True, traffic=VLLM_TRAFFIC, n_workers=0))
-    killer.join()
-    assert killed_at, "the first window never closed"
-    assert outcome.decision == Decision.ROLLBACK, outcome.reason
-    # seen and rolled back within the window of the kill or the next one, long before the 60 s
-    # bake ends: a health poll of a busy machine may take seconds, so no tighter wall-clock bound
-    assert outcome.rolled_back_at > killed_at[0]
-    assert len([w for w in h.window_results() if w["start"] > killed_at[0]]) <= 1, h.window_results()
-    assert "guard_replica_health" in {g.name for g in outcome.guards}
-    assert h.weight_log[-1][1] == 0.0 and ray.get(router[0].get_state.remote())["weights"]["canary"] == 0.0
-    assert outcome.steps_completed == 0
-    last = h.window_results()[-1]
-    assert last["closed_early"] and any(g["verdict"] == "fail" for g in last["gates"])
-    committed = [r for r in h.store.all_phase_results(h.run_id) if r["phase"] == PHASE][-1]
-    assert committed["time"] <= outcome.rolled_back_at  # committed first, then acted on
-    h.check_records()
     assert wait_gone(lambda: locust_processes(str(tmp_path))) == []
