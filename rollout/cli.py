@@ -151,7 +151,7 @@ def _cmd_make_model(args: argparse.Namespace) -> int:
 
 
 def _cmd_calibrate(args: argparse.Namespace) -> int:
-    from rollout.calibrate import format_table, run_calibration
+    from rollout.judge.calibrate import format_table, run_calibration
 
     result = run_calibration(trials=args.trials, seed=args.seed)
     print(json.dumps(result, indent=2, default=float) if args.json else format_table(result))

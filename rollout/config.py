@@ -17,8 +17,8 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 
 from cluster.engine_spec import EngineSpec
 from rollout.evals import EvalSpec
-from rollout.gates import GatesConfig
-from rollout.stats import MAX_PLANNED_LOOKS
+from rollout.judge.config import GatesConfig, GuardConfig
+from rollout.judge.stats import MAX_PLANNED_LOOKS
 
 BASELINE, CANARY, TWIN = "baseline", "canary", "twin"
 DEFAULT_CACHE = Path(os.environ.get("MTP_CANARY_CACHE", Path.home() / ".cache" / "mtp-canary"))
@@ -182,19 +182,6 @@ class RolloutStep(BaseModel):
     canary_weight: float = Field(..., ge=0, le=100, description="percent of traffic to the canary")
     bake_s: int = Field(30, ge=1, description="how long the step runs, judged every guard window")
     pause: bool = Field(False, description="after baking, wait for `mtp-canary promote|abort RUN_ID`")
-
-
-class GuardConfig(BaseModel):
-    """Guards judged on the canary's live data every window of the progressive phase."""
-
-    model_config = ConfigDict(extra="forbid")
-
-    window_s: int = Field(10, ge=2, description="seconds per guard window")
-    min_requests: int = Field(5, ge=1, description="canary requests a window needs before latency guards judge it")
-    error_rate_max_increase: float = Field(0.05, ge=0, le=1, description="canary minus baseline error rate in a window")
-    ttft_p95_max_s: float | None = Field(None, gt=0, description="absolute SLO on the canary's TTFT p95")
-    tpot_p95_max_s: float | None = Field(None, gt=0, description="absolute SLO on the canary's TPOT p95")
-    min_acceptance_length: float | None = Field(None, ge=1, description="floor on the canary's mean acceptance length")
 
 
 class ProgressiveConfig(BaseModel):

@@ -23,7 +23,7 @@ their start (the interrupted attempt's rows are kept, marked superseded: the
 sequential tests need one unbroken sequence of looks).
 
 Every phase's result is committed to the store before the controller acts on
-it. Statistics live in `rollout.gates` (pure); this module only gathers data,
+it. Statistics live in `rollout.judge` (pure); this module only gathers data,
 calls the judges, and records what happened.
 """
 
@@ -51,15 +51,8 @@ from loadtests.swarm import Swarm, SwarmError, SwarmProgress, SwarmSpec
 from rollout.config import BASELINE, CANARY, DEFAULT_CACHE, TWIN, ArmConfig, RolloutConfig
 from rollout.evals import EvalItem, ItemOutcome, evaluate_batch, load_items, outputs_differ
 from rollout.experiment import LOAD_MARGIN_S, LOAD_STOP_TIMEOUT_S, ExperimentContext, ExperimentPhase
-from rollout.gates import (
-    Decision,
-    GateResult,
-    Verdict,
-    decide,
-    is_enabled,
-    judge_accuracy,
-    judge_divergence,
-)
+from rollout.judge.accuracy import judge_accuracy, judge_divergence
+from rollout.judge.verdicts import Decision, GateResult, Verdict, decide, is_enabled
 from rollout.store import RunStore, controller_identity
 from rollout.tiny_checkpoint import TinyCheckpointSpec, checkpoint_dir, ensure_checkpoint
 from rollout.tiny_sizing import TinySizing, engine_dtype_for, size_tiny_model, sizing_for_arm, tiny_spec_for

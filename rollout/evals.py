@@ -11,7 +11,7 @@ Two kinds of items:
 
 ``evaluate_batch`` sends every item to every arm with identical greedy
 sampling parameters and returns one ``ItemOutcome`` per item per arm, in item
-order, so the paired statistics (``rollout.gates.judge_accuracy`` /
+order, so the paired statistics (``rollout.judge.accuracy.judge_accuracy`` /
 ``judge_divergence``) can line the arms up item by item. Nothing here judges.
 """
 

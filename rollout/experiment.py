@@ -17,7 +17,7 @@ between looks, requests in flight at a look belong to the next one, and the web 
 stays at one URL. Why looks by requests rather than by the clock: the same plan (and
 the same error control) holds on a machine 4x slower, which only takes longer.
 
-The phase gathers data and calls the pure judges in `rollout.gates`; it owns no
+The phase gathers data and calls the pure judges in `rollout.judge`; it owns no
 statistics.
 """
 
@@ -38,7 +38,10 @@ from loadtests.records import RecordsTail, RequestRecord
 from loadtests.swarm import Swarm, SwarmError, SwarmResult, SwarmSpec
 from rollout.config import BASELINE, CANARY, TWIN, ExperimentConfig
 from rollout.distributed_load import DistributedSwarm
-from rollout.gates import GateResult, GatesConfig, LatencySamples, Verdict, is_final, judge_acceptance, judge_latency
+from rollout.judge.acceptance import judge_acceptance
+from rollout.judge.config import GatesConfig
+from rollout.judge.latency import LatencySamples, judge_latency
+from rollout.judge.verdicts import GateResult, Verdict, is_final
 from rollout.store import RunStore
 
 PHASE = "experiment"

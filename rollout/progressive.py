@@ -7,7 +7,7 @@ Flagger's scheduler loop, readable in one place (`_Phase.run`):
         set the canary weight                      (the controller's set_canary_weight)
         every guard window until the bake is over:
             tail the records, scrape /metrics deltas, poll replica health
-            judge the guards (rollout.guards, pure)
+            judge the guards (rollout.judge.guards, pure)
             commit the window's records and verdicts to the store, THEN act:
             a FAIL sets the canary weight to 0 at once -> ROLLBACK
         judge the whole step (pooled windows); a FAIL -> ROLLBACK
@@ -27,7 +27,7 @@ to one more window index that has records but no verdict.
 
 Fast abort. Inside a window the guards are also judged every INTERIM_LOOK_S on the
 window so far (only a FAIL acts on an interim look; the error budget is split over
-the looks, see rollout.guards), and replica health is polled every HEALTH_POLL_S:
+the looks, see rollout.judge.guards), and replica health is polled every HEALTH_POLL_S:
 a canary replica seen dead on two consecutive polls closes the window at once.
 So a dead canary is rolled back within ~2 s, and a canary that starts failing
 requests within a few seconds of its failures reaching INTERIM_LOOK_S, at the
@@ -56,8 +56,8 @@ from loadtests.options import TrafficOptions
 from loadtests.records import RecordsTail, RequestRecord
 from loadtests.swarm import SwarmError, SwarmSpec
 from rollout.config import BASELINE, CANARY, ProgressiveConfig, RolloutStep
-from rollout.gates import Decision, GateResult, Verdict
-from rollout.guards import enabled_guard_names, judge_guard_window
+from rollout.judge.guards import enabled_guard_names, judge_guard_window
+from rollout.judge.verdicts import Decision, GateResult, Verdict
 from rollout.store import RunStore
 
 __all__ = ["ProgressiveContext", "ProgressiveOutcome", "run_progressive", "PHASE", "STEP_PHASE"]

@@ -1,4 +1,4 @@
-"""Tests of rollout/calibrate.py: the claimed error rates hold in simulation (issue 6 targets).
+"""Tests of rollout/judge/calibrate.py: the claimed error rates hold in simulation (issue 6 targets).
 
 A fast calibration (1500 simulated runs per scenario, a few seconds): every
 error rate must be <= alpha within 3 binomial standard errors, and the
@@ -12,8 +12,8 @@ import math
 
 import pytest
 
-from rollout.calibrate import format_table, main, run_calibration, verify_against_judges
-from rollout.gates import GatesConfig
+from rollout.judge.calibrate import format_table, main, run_calibration, verify_against_judges
+from rollout.judge.config import GatesConfig
 
 TRIALS = 1500
 

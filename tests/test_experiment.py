@@ -32,7 +32,8 @@ from rollout.experiment import (
     duty_cycle,
     router_request_counts,
 )
-from rollout.gates import GatesConfig, Verdict
+from rollout.judge.config import GatesConfig
+from rollout.judge.verdicts import Verdict
 from rollout.store import RunStore
 
 
@@ -235,7 +236,7 @@ def test_the_web_ui_stays_at_one_url_from_the_first_look_to_the_last(local_ray, 
 def test_a_capped_experiment_is_inconclusive_and_its_reason_has_the_counts(tmp_path):
     from rollout.config import load_config
     from rollout.controller import Controller
-    from rollout.gates import Decision, GateResult
+    from rollout.judge.verdicts import Decision, GateResult
 
     controller = Controller(load_config("configs/local-cpu.yaml"), runs_dir=tmp_path, run_id="capped")
     controller._experiment_capped = "experiment.max_duration_s (240 s) reached after 2 look(s): baseline 61, canary 60"

@@ -29,9 +29,10 @@ import requests
 from cluster.engine_spec import CpuLimits, EngineSpec
 from cluster.fleet import ArmSpec, Fleet, FleetStartError
 from cluster.router import Router
-from rollout.config import GuardConfig, ProgressiveConfig, RolloutStep
+from rollout.config import ProgressiveConfig, RolloutStep
 from rollout.evals import EvalSpec, evaluate_batch, load_items, outputs_differ
-from rollout.gates import Decision
+from rollout.judge.config import GuardConfig
+from rollout.judge.verdicts import Decision
 from rollout.progressive import PHASE, run_progressive
 from rollout.store import RunStore
 from tests.conftest import REPO, wait_gone, wait_no_server_processes

@@ -1,4 +1,4 @@
-"""Tests of rollout/gates.py: verdicts, their numbers, and the invariants of issue 6."""
+"""Tests of the judges (rollout/judge/verdicts.py, latency.py, accuracy.py, acceptance.py): verdicts, their numbers, and the invariants of issue 6."""
 
 from __future__ import annotations
 
@@ -11,20 +11,11 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
-from rollout.gates import (
-    GATE_NAMES,
-    Decision,
-    GateResult,
-    GatesConfig,
-    LatencySamples,
-    Verdict,
-    decide,
-    is_final,
-    judge_acceptance,
-    judge_accuracy,
-    judge_divergence,
-    judge_latency,
-)
+from rollout.judge.acceptance import judge_acceptance
+from rollout.judge.accuracy import judge_accuracy, judge_divergence
+from rollout.judge.config import GatesConfig
+from rollout.judge.latency import LatencySamples, judge_latency
+from rollout.judge.verdicts import GATE_NAMES, Decision, GateResult, Verdict, decide, is_final
 
 NO_HARM_GATES = {"ttft_p95_guard", "e2e_p95_guard", "error_rate_guard", "accuracy_noninferiority", "output_divergence"}
 

@@ -10,15 +10,15 @@ from scipy import stats as sps
 
 from cluster.metrics import SpecDecodeStats
 from loadtests.records import RequestRecord
-from rollout.config import GuardConfig
-from rollout.gates import Verdict
-from rollout.guards import (
+from rollout.judge.config import GuardConfig
+from rollout.judge.guards import (
     GUARD_ALPHA,
     GUARD_NAMES,
     enabled_guard_names,
     error_guard_fails,
     judge_guard_window,
 )
+from rollout.judge.verdicts import Verdict
 
 _ids = itertools.count()
 

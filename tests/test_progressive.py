@@ -21,8 +21,9 @@ import requests
 from cluster.metrics import MetricsSnapshot
 from cluster.router import Router
 from loadtests.records import read_records
-from rollout.config import GuardConfig, ProgressiveConfig, RolloutStep
-from rollout.gates import Decision
+from rollout.config import ProgressiveConfig, RolloutStep
+from rollout.judge.config import GuardConfig
+from rollout.judge.verdicts import Decision
 from rollout.progressive import PHASE, run_progressive
 from rollout.store import RunStore
 from tests.conftest import REPO, wait_gone

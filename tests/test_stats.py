@@ -1,4 +1,4 @@
-"""Tests of rollout/stats.py: each method against published values or an independent computation."""
+"""Tests of rollout/judge/stats.py: each method against published values or an independent computation."""
 
 from __future__ import annotations
 
@@ -11,7 +11,7 @@ from hypothesis import strategies as st
 from scipy import optimize
 from scipy import stats as sps
 
-from rollout import stats
+from rollout.judge import stats
 
 Z95 = sps.norm.isf(0.025)
 

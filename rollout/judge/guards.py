@@ -77,9 +77,9 @@ from scipy import stats as sps
 
 from cluster.metrics import SpecDecodeStats
 from loadtests.records import RequestRecord
-from rollout import stats
-from rollout.config import GuardConfig
-from rollout.gates import GateResult, Verdict
+from rollout.judge import stats
+from rollout.judge.config import GuardConfig
+from rollout.judge.verdicts import GateResult, Verdict
 
 __all__ = [
     "GUARD_NAMES",

@@ -2,7 +2,7 @@
 
 ``run_calibration(trials, seed)`` simulates many canary runs with realistic
 data and pushes them through the gate code the controller runs
-(``rollout.gates`` kernels and ``rollout.stats``), with the controller's look
+(the ``rollout.judge`` kernels and ``rollout.judge.stats``), with the controller's look
 schedule: ``max_looks`` equal windows, a look after each, stop as soon as
 ``is_final``. The simulation is vectorised over trials (numpy), so it calls
 the array kernels the judges are built from rather than the per-run
@@ -71,17 +71,18 @@ from dataclasses import asdict, dataclass, field
 
 import numpy as np
 
-from rollout import gates, stats
-from rollout.gates import (
-    FAIL_CODE,
-    INCONCLUSIVE_CODE,
-    PASS_CODE,
-    GatesConfig,
-    LatencySamples,
-    cumulative_bounds,
-    holm_levels,
+from rollout.judge import stats
+from rollout.judge.accuracy import early_stop_log_threshold, judge_accuracy
+from rollout.judge.config import GatesConfig
+from rollout.judge.latency import LatencySamples, cumulative_bounds, judge_latency
+from rollout.judge.looks import FAIL_CODE, INCONCLUSIVE_CODE, PASS_CODE, holm_levels, upper_is_good_verdict
+from rollout.judge.verdicts import (
+    ACCURACY_NAME,
+    DIVERGENCE_NAME,
+    GUARDRAIL_NAMES,
+    OBJECTIVE_NAME,
+    Verdict,
     is_enabled,
-    upper_is_good_verdict,
 )
 
 __all__ = [
@@ -188,7 +189,7 @@ def _simulate_arm(
 
 
 # ---------------------------------------------------------------------------
-# The latency judge, vectorised over trials (mirrors gates.judge_latency)
+# The latency judge, vectorised over trials (mirrors latency.judge_latency)
 # ---------------------------------------------------------------------------
 
 
@@ -242,12 +243,12 @@ def _latency_verdicts(baseline: _ArmData, canary: _ArmData, cfg: GatesConfig) ->
     codes: list[np.ndarray] = []
     alpha = cfg.alpha
 
-    if is_enabled(gates.OBJECTIVE_NAME, cfg):
+    if is_enabled(OBJECTIVE_NAME, cfg):
         upper, (lower,) = _ratio_bounds(baseline.tpot, canary.tpot, 0.5, cfg, [alpha])
-        names.append(gates.OBJECTIVE_NAME)
+        names.append(OBJECTIVE_NAME)
         codes.append(upper_is_good_verdict(lower, upper, math.log(1.0 - cfg.tpot_p50_min_improvement), True, True))
 
-    guardrails = [name for name in gates.GUARDRAIL_NAMES if is_enabled(name, cfg)]
+    guardrails = [name for name in GUARDRAIL_NAMES if is_enabled(name, cfg)]
     m = len(guardrails)
     if m:
         levels = holm_levels(alpha, m)
@@ -290,7 +291,7 @@ def _first_look(mask: np.ndarray) -> np.ndarray:
 
 
 def _final_mask(codes: np.ndarray) -> np.ndarray:
-    """gates.is_final per look and trial, from verdict codes (looks, trials, gates)."""
+    """verdicts.is_final per look and trial, from verdict codes (looks, trials, gates)."""
     return (codes == FAIL_CODE).any(axis=-1) | (codes != INCONCLUSIVE_CODE).all(axis=-1)
 
 
@@ -299,7 +300,7 @@ def _samples_at(first: np.ndarray, n_per_look: np.ndarray) -> np.ndarray:
 
 
 # ---------------------------------------------------------------------------
-# The accuracy judge, vectorised (mirrors gates.judge_accuracy)
+# The accuracy judge, vectorised (mirrors accuracy.judge_accuracy)
 # ---------------------------------------------------------------------------
 
 
@@ -341,7 +342,7 @@ def _paired_verdicts(first: np.ndarray, second: np.ndarray, margin: float, cfg: 
 
 def _early_stop_items(x: np.ndarray, margin: float, lower_bound: float, cfg: GatesConfig) -> np.ndarray:
     """0-based item index where the always-valid rule first fires, or -1."""
-    threshold = gates.early_stop_log_threshold(cfg)
+    threshold = early_stop_log_threshold(cfg)
     if not math.isfinite(threshold):
         return np.full(x.shape[0], -1)
     log_wealth = stats.betting_log_wealth(x, margin, lower_bound)
@@ -390,7 +391,7 @@ def run_calibration(
         canary = _simulate_arm(rng, load, lat_model, tpot_ratio, ttft_ratio, canary_error_rate)
         return baseline, canary
 
-    objective = gates.OBJECTIVE_NAME
+    objective = OBJECTIVE_NAME
     no_harm = lambda names: [i for i, name in enumerate(names) if name != objective]  # noqa: E731
 
     # --- A/A ---------------------------------------------------------------
@@ -410,9 +411,9 @@ def run_calibration(
     twin_div = div_rng.random((trials, items)) < acc_model.divergence_rate
     div_codes, _ = _paired_verdicts(canary_div, twin_div, cfg.divergence_margin, cfg)
     divergence_false_fail = (div_codes == FAIL_CODE).any(axis=0)
-    if not is_enabled(gates.ACCURACY_NAME, cfg):
+    if not is_enabled(ACCURACY_NAME, cfg):
         accuracy_false_fail[:] = False
-    if not is_enabled(gates.DIVERGENCE_NAME, cfg):
+    if not is_enabled(DIVERGENCE_NAME, cfg):
         divergence_false_fail[:] = False
     any_false_fail = latency_false_fail | accuracy_false_fail | divergence_false_fail
 
@@ -557,7 +558,7 @@ def run_calibration(
 
 
 def verify_against_judges(trials: int = 5, seed: int = 1, cfg: GatesConfig | None = None) -> int:
-    """Replay simulated trials through gates.judge_latency / judge_accuracy.
+    """Replay simulated trials through judge_latency / judge_accuracy.
 
     Returns the number of (trial, look, gate) verdicts where the vectorised
     simulation and the real judge functions disagree (0 expected).
@@ -586,10 +587,10 @@ def verify_against_judges(trials: int = 5, seed: int = 1, cfg: GatesConfig | Non
             window=window[: k * n],
         )
 
-    to_code = {gates.Verdict.PASS: PASS_CODE, gates.Verdict.FAIL: FAIL_CODE, gates.Verdict.INCONCLUSIVE: INCONCLUSIVE_CODE}
+    to_code = {Verdict.PASS: PASS_CODE, Verdict.FAIL: FAIL_CODE, Verdict.INCONCLUSIVE: INCONCLUSIVE_CODE}
     for t in range(trials):
         for k in range(1, looks + 1):
-            results = gates.judge_latency(samples(baseline, t, k), samples(canary, t, k), cfg, look=k)
+            results = judge_latency(samples(baseline, t, k), samples(canary, t, k), cfg, look=k)
             by_name = {r.name: to_code[r.verdict] for r in results}
             for g, name in enumerate(sim.names):
                 mismatches += int(by_name.get(name) != sim.codes[k - 1, t, g])
@@ -598,7 +599,7 @@ def verify_against_judges(trials: int = 5, seed: int = 1, cfg: GatesConfig | Non
     codes, ends = _paired_verdicts(b_correct, c_correct, cfg.accuracy_margin, cfg)
     for t in range(trials):
         for k in range(1, looks + 1):
-            result = gates.judge_accuracy(b_correct[t, : ends[k - 1]], c_correct[t, : ends[k - 1]], cfg, look=k)
+            result = judge_accuracy(b_correct[t, : ends[k - 1]], c_correct[t, : ends[k - 1]], cfg, look=k)
             mismatches += int(to_code[result.verdict] != codes[k - 1, t])
     return mismatches
 

@@ -1,0 +1,134 @@
+"""How to judge: `GatesConfig` (the run YAML's `gates:`) and `GuardConfig` (`progressive.guards:`).
+
+Plain pydantic models; the judges read them, `rollout.config` embeds them in the run config.
+"""
+
+from __future__ import annotations
+
+from typing import Literal
+
+import pydantic
+from pydantic import BaseModel, ConfigDict, Field
+
+from rollout.judge import stats
+from rollout.judge.verdicts import GATE_NAMES
+
+__all__ = ["GatesConfig", "GuardConfig"]
+
+
+class GatesConfig(pydantic.BaseModel, extra="forbid"):
+    """How to judge a canary; embedded in the run YAML under ``gates:``."""
+
+    alpha: float = Field(
+        0.05,
+        gt=0.0,
+        le=0.2,
+        description="Error rate per decision side: the chance of promoting a canary that sits exactly at a gate's "
+        "threshold, and (family-wise, over all looks) of rolling back on a guardrail that is not violated.",
+    )
+    accuracy_margin: float = Field(
+        0.02,
+        ge=0.0,
+        lt=1.0,
+        description="Non-inferiority margin on baseline accuracy minus canary accuracy (absolute, 0.02 = 2 points). "
+        "Pass needs the upper confidence bound of the drop below it; fail needs the lower bound above it.",
+    )
+    divergence_margin: float = Field(
+        0.05,
+        ge=0.0,
+        lt=1.0,
+        description="Allowed excess of the canary-vs-baseline greedy output divergence rate over the twin (A/A) "
+        "baseline's divergence rate; with no twin, the absolute cap on the canary-vs-baseline divergence rate.",
+    )
+    tpot_p50_min_improvement: float = Field(
+        0.10,
+        ge=0.0,
+        lt=1.0,
+        description="Objective: the canary's median time per output token must be at least this much lower "
+        "(0.10: ratio canary/baseline <= 0.90), judged by the ratio's upper confidence bound. 0 asks only 'faster'.",
+    )
+    ttft_p95_max_ratio: float = Field(
+        1.25,
+        ge=1.0,
+        description="Guardrail: largest acceptable ratio canary/baseline of the 95th-percentile time to first token.",
+    )
+    e2e_p95_max_ratio: float | None = Field(
+        None,
+        ge=1.0,
+        description="Optional guardrail: largest acceptable ratio of the 95th-percentile end-to-end latency; "
+        "null disables it.",
+    )
+    error_rate_max_increase: float = Field(
+        0.01,
+        ge=0.0,
+        lt=1.0,
+        description="Guardrail: largest acceptable canary error rate minus baseline error rate (absolute).",
+    )
+    min_acceptance_length: float | None = Field(
+        1.5,
+        ge=1.0,
+        description="Floor on the canary's mean acceptance length (1 + accepted draft tokens per draft); "
+        "null disables the gate.",
+    )
+    min_requests_per_arm: int = Field(
+        30,
+        ge=5,
+        description="Fewer successful requests than this in either arm: latency gates are inconclusive.",
+    )
+    min_eval_items: int = Field(
+        20,
+        ge=1,
+        description="Fewer paired eval items than this: accuracy and divergence can only fail (via the "
+        "always-valid clear-regression rule), never pass.",
+    )
+    max_looks: int = Field(
+        5,
+        ge=1,
+        le=stats.MAX_PLANNED_LOOKS,
+        description="Planned equal looks over which alpha is spent when a judge is called without information "
+        "fractions (calibrate's simulated design). The experiment plans its own looks "
+        "(experiment.requests_per_arm / requests_per_look) and spends alpha at the observed information fractions. "
+        "Looks past this number reuse the last boundary and are outside the error guarantee.",
+    )
+    enabled: list[str] | None = Field(
+        None,
+        description=f"Optional subset of gate names to judge; null means all configured gates. "
+        f"Known names: {', '.join(GATE_NAMES)}.",
+    )
+    spending: Literal["obrien_fleming", "pocock"] = Field(
+        "obrien_fleming",
+        description="Alpha-spending function over the looks (Lan-DeMets): obrien_fleming keeps early looks strict, "
+        "pocock stops earlier on large effects but needs more data at the last look.",
+    )
+    early_stop_alpha_fraction: float = Field(
+        0.2,
+        ge=0.0,
+        lt=1.0,
+        description="Share of the accuracy and divergence gates' rollback-side alpha given to the always-valid "
+        "clear-regression rule that may fail a broken canary after a few dozen items at any look.",
+    )
+
+    @pydantic.field_validator("enabled")
+    @classmethod
+    def _known_gate_names(cls, names: list[str] | None) -> list[str] | None:
+        if names is None:
+            return None
+        unknown = sorted(set(names) - set(GATE_NAMES))
+        if unknown:
+            raise ValueError(f"unknown gate name(s) {unknown}; known: {list(GATE_NAMES)}")
+        if not names:
+            raise ValueError("enabled must name at least one gate (or be null for all)")
+        return names
+
+
+class GuardConfig(BaseModel):
+    """Guards judged on the canary's live data every window of the progressive phase."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    window_s: int = Field(10, ge=2, description="seconds per guard window")
+    min_requests: int = Field(5, ge=1, description="canary requests a window needs before latency guards judge it")
+    error_rate_max_increase: float = Field(0.05, ge=0, le=1, description="canary minus baseline error rate in a window")
+    ttft_p95_max_s: float | None = Field(None, gt=0, description="absolute SLO on the canary's TTFT p95")
+    tpot_p95_max_s: float | None = Field(None, gt=0, description="absolute SLO on the canary's TPOT p95")
+    min_acceptance_length: float | None = Field(None, ge=1, description="floor on the canary's mean acceptance length")

@@ -1,0 +1,115 @@
+"""Verdicts and the decision: the gate names, one gate's `GateResult`, and how results combine.
+
+`decide` and `is_final` turn the gates' verdicts into PROMOTE / ROLLBACK /
+INCONCLUSIVE and say when the sequential procedure may stop; `is_enabled` says
+which gates a `GatesConfig` asks for.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from enum import Enum
+from typing import TYPE_CHECKING
+
+import pydantic
+from pydantic import Field
+
+if TYPE_CHECKING:  # judge.config imports the gate names from here
+    from rollout.judge.config import GatesConfig
+
+__all__ = [
+    "OBJECTIVE_NAME",
+    "GUARDRAIL_NAMES",
+    "ACCURACY_NAME",
+    "DIVERGENCE_NAME",
+    "ACCEPTANCE_NAME",
+    "GATE_NAMES",
+    "Verdict",
+    "Decision",
+    "GateResult",
+    "decide",
+    "is_final",
+    "is_enabled",
+]
+
+OBJECTIVE_NAME = "tpot_p50_improvement"
+GUARDRAIL_NAMES = ("ttft_p95_guard", "e2e_p95_guard", "error_rate_guard")
+ACCURACY_NAME = "accuracy_noninferiority"
+DIVERGENCE_NAME = "output_divergence"
+ACCEPTANCE_NAME = "acceptance_length_floor"
+GATE_NAMES = (OBJECTIVE_NAME, *GUARDRAIL_NAMES, ACCURACY_NAME, DIVERGENCE_NAME, ACCEPTANCE_NAME)
+
+
+class Verdict(str, Enum):
+    PASS = "pass"
+    FAIL = "fail"
+    INCONCLUSIVE = "inconclusive"
+
+
+class Decision(str, Enum):
+    PROMOTE = "promote"
+    ROLLBACK = "rollback"
+    INCONCLUSIVE = "inconclusive"
+
+
+class GateResult(pydantic.BaseModel):
+    """One gate's verdict with the numbers behind it (goes into decision.json)."""
+
+    name: str = Field(description="Gate name, one of GATE_NAMES.")
+    metric: str = Field(description="What the estimate measures, e.g. 'tpot_p50_ratio' or 'accuracy_diff'.")
+    baseline: float | None = Field(description="Baseline point value (latency in ms, rates as fractions).")
+    canary: float | None = Field(description="Canary point value, same unit as baseline.")
+    threshold: float | None = Field(description="The configured limit the estimate is judged against.")
+    verdict: Verdict
+    estimate: float | None = Field(None, description="Comparison estimate (ratio or difference).")
+    interval: tuple[float, float] | None = Field(
+        None, description="Repeated confidence bounds of the estimate used for the verdict (see detail for levels)."
+    )
+    n_baseline: int = Field(0, description="Baseline samples (requests or items) behind the numbers.")
+    n_canary: int = Field(0, description="Canary samples behind the numbers.")
+    look: int = Field(1, description="Look number k of the planned max_looks.")
+    p_value: float | None = Field(None, description="Exact McNemar p-value (accuracy) where applicable.")
+    detail: str = Field("", description="Human-readable account of the decision.")
+
+
+def is_enabled(name: str, cfg: GatesConfig) -> bool:
+    """Whether ``cfg`` asks for gate ``name`` (configured and, if listed, enabled)."""
+    if cfg.enabled is not None and name not in cfg.enabled:
+        return False
+    if name == "e2e_p95_guard" and cfg.e2e_p95_max_ratio is None:
+        return False
+    if name == ACCEPTANCE_NAME and cfg.min_acceptance_length is None:
+        return False
+    return True
+
+
+# ---------------------------------------------------------------------------
+# Decision
+# ---------------------------------------------------------------------------
+
+
+def _considered(results: Sequence[GateResult], cfg: GatesConfig | None) -> list[GateResult]:
+    if cfg is None:
+        return list(results)
+    return [r for r in results if is_enabled(r.name, cfg)]
+
+
+def decide(results: Sequence[GateResult], cfg: GatesConfig | None = None) -> Decision:
+    """Any FAIL -> ROLLBACK; all PASS (at least one gate) -> PROMOTE; else INCONCLUSIVE.
+
+    With ``cfg``, gates it does not enable are ignored.
+    """
+    considered = _considered(results, cfg)
+    if any(r.verdict is Verdict.FAIL for r in considered):
+        return Decision.ROLLBACK
+    if considered and all(r.verdict is Verdict.PASS for r in considered):
+        return Decision.PROMOTE
+    return Decision.INCONCLUSIVE
+
+
+def is_final(results: Sequence[GateResult], cfg: GatesConfig | None = None) -> bool:
+    """True when the sequential procedure may stop: any FAIL, or every gate decided."""
+    considered = _considered(results, cfg)
+    if any(r.verdict is Verdict.FAIL for r in considered):
+        return True
+    return bool(considered) and all(r.verdict is not Verdict.INCONCLUSIVE for r in considered)
