@@ -18,5 +18,5 @@ knows nothing of Ray, the cluster or the gates, and this file imports nothing, s
   collection     worker -> master record shipping and its completeness summary
   locustfile     the Locust user and event wiring
   swarm          SwarmSpec / Swarm / SwarmResult: master + workers as processes
-                 (workers local, or under Ray actors via rollout.distributed_load)
+                 (workers local, or under Ray actors via cluster.distributed_load)
 """

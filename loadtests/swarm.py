@@ -8,7 +8,7 @@ reads the collection summary next to it and fails closed: a worker that died, or
 records that do not add up, raise `SwarmError` instead of returning partial numbers.
 
 Workers are local child processes by default. A `WorkerGroup` can start them elsewhere
-(`rollout.distributed_load` starts each one under a Ray actor on the cluster's nodes);
+(`cluster.distributed_load` starts each one under a Ray actor on the cluster's nodes);
 the master stays a child process of this one either way, and the run is judged the same.
 """
 

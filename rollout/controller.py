@@ -653,7 +653,7 @@ class Controller:
         placement = self.cfg.experiment.worker_placement
         if placement == "local" or spec.n_workers == 0:
             return Swarm(spec, on_progress=on_progress, progress_interval_s=1.0).run()
-        from rollout.distributed_load import run_distributed_swarm
+        from cluster.distributed_load import run_distributed_swarm
 
         return run_distributed_swarm(spec, placement, on_progress)
 
@@ -821,7 +821,7 @@ class Controller:
 
     def _start_load(self, spec) -> Any:
         """The progressive load's LoadRunner: named per attempt, detached, leased."""
-        from rollout.load_runner import start_load_runner
+        from cluster.load_runner import start_load_runner
 
         name = f"load-attempt-{self.attempt}"
         actor = start_load_runner(spec, name=name, namespace=self.namespace, placement=self.cfg.experiment.worker_placement)

@@ -33,11 +33,11 @@ from typing import Any
 import numpy as np
 import ray
 
+from cluster.distributed_load import DistributedSwarm
 from cluster.metrics import MetricsSnapshot, SpecDecodeStats
 from loadtests.records import RecordsTail, RequestRecord
 from loadtests.swarm import Swarm, SwarmError, SwarmResult, SwarmSpec
 from rollout.config import BASELINE, CANARY, TWIN, ExperimentConfig
-from rollout.distributed_load import DistributedSwarm
 from rollout.judge.acceptance import judge_acceptance
 from rollout.judge.config import GatesConfig
 from rollout.judge.latency import LatencySamples, judge_latency

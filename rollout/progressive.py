@@ -134,7 +134,7 @@ def ended_at(record: RequestRecord) -> float:
 
 # -- the load -------------------------------------------------------------------
 class _Load:
-    """The phase's swarm, run by a LoadRunner actor (rollout.load_runner): it outlives a dead controller."""
+    """The phase's swarm, run by a LoadRunner actor (cluster.load_runner): it outlives a dead controller."""
 
     def __init__(self, actor: Any) -> None:
         self.actor = actor
@@ -174,7 +174,7 @@ class _Load:
 
 
 def _default_start_load(spec: SwarmSpec) -> Any:
-    from rollout.load_runner import start_load_runner
+    from cluster.load_runner import start_load_runner
 
     return start_load_runner(spec)
 

@@ -21,12 +21,12 @@ sys.path.insert(0, str(REPO))
 import ray  # noqa: E402
 
 from benchmarks.stream_target import TargetProcess  # noqa: E402
+from cluster.distributed_load import DistributedSwarm, run_distributed_swarm  # noqa: E402
 from cluster.process import placement_options, supervised_process_actor  # noqa: E402
 from loadtests.options import TrafficOptions  # noqa: E402
 from loadtests.records import read_records  # noqa: E402
 from loadtests.swarm import SwarmError, SwarmSpec  # noqa: E402
 from tests.conftest import alive, wait_until_gone  # noqa: E402
-from rollout.distributed_load import DistributedSwarm, run_distributed_swarm  # noqa: E402
 
 
 @pytest.fixture(scope="module")
@@ -40,7 +40,7 @@ def local_ray():
 
 
 def test_ray_side_and_locust_side_import_nothing_of_each_other():
-    ray_side = ("import sys, rollout.distributed_load, cluster.process; "
+    ray_side = ("import sys, cluster.distributed_load, cluster.process; "
                 "assert not {'gevent', 'locust', 'geventhttpclient'} & set(sys.modules), sorted(sys.modules)")
     subprocess.run([sys.executable, "-c", ray_side], cwd=REPO, check=True)
     locust_side = ("import sys, loadtests.locustfile, loadtests.swarm, loadtests.health, loadtests.profiles; "

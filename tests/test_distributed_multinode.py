@@ -14,10 +14,10 @@ import pytest
 import ray
 from ray.cluster_utils import Cluster
 
+from cluster.distributed_load import DistributedSwarm
 from loadtests.options import TrafficOptions
 from loadtests.records import read_records
 from loadtests.swarm import SwarmSpec
-from rollout.distributed_load import DistributedSwarm
 from tests.conftest import REPO, wait_until_gone
 
 sys.path.insert(0, str(REPO))

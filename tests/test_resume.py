@@ -80,7 +80,7 @@ def _named(name: str):
 
 def test_an_unrenewed_router_and_load_stop_themselves_keeping_every_record(local_ray, tmp_path):
     from cluster.router import Router
-    from rollout.load_runner import start_load_runner
+    from cluster.load_runner import start_load_runner
 
     with TargetProcess(ttft_ms=10, tpot_ms=4, replica="t") as target:
         router = Router.options(name="router", lifetime="detached").remote(initial_weights={"baseline": 100.0}, seed=0)

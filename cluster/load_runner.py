@@ -35,8 +35,8 @@ class LoadRunnerServer:
         self.spec = SwarmSpec.model_validate(spec)
         workers = None
         if placement != "local" and self.spec.n_workers:
-            # each Locust worker under an actor of its own, placed on the cluster (rollout.distributed_load)
-            from rollout.distributed_load import RayWorkers
+            # each Locust worker under an actor of its own, placed on the cluster (cluster.distributed_load)
+            from cluster.distributed_load import RayWorkers
 
             workers = RayWorkers(placement)
         self._swarm = Swarm(self.spec, workers=workers)
