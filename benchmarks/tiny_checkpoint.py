@@ -9,9 +9,9 @@
 Each server runs alone with --omp-threads OMP threads (default 2); nothing else
 should load the machine.
 
-Sizing (rollout/tiny_sizing.py): TPOT at several depths and the linear fit
+Sizing (tinymodel/sizing.py): TPOT at several depths and the linear fit
 step_ms = TPOT * (k + 1) = intercept + slope * layers per k, next to the probe's
-figures (what rollout.tiny_sizing.CALIBRATION is fitted from):
+figures (what tinymodel.sizing.CALIBRATION is fitted from):
 
     python benchmarks/tiny_checkpoint.py --speed-only --omp-threads 1 --layers 2 8 24 --fit
 
@@ -34,7 +34,7 @@ import requests
 
 from cluster.engine_spec import CpuLimits, EngineSpec
 from cluster.replica import ReplicaState, VLLMReplicaServer
-from rollout.tiny_checkpoint import TinyCheckpointSpec, ensure_checkpoint
+from tinymodel.checkpoint import DEFAULT_CACHE, TinyCheckpointSpec, ensure_checkpoint
 
 
 def stream_tpot(url: str, prompt_ids: list[int], max_tokens: int) -> float:
@@ -162,7 +162,7 @@ def fit_line(xs: list[float], ys: list[float]) -> tuple[float, float]:
 
 def speed_by_depth(args, cache: Path, log_dir: str) -> dict:
     """TPOT at each depth in args.layers (and k in args.ks), with the probe's figures there when --fit."""
-    from rollout.tiny_sizing import predict_lines, probe_subprocess
+    from tinymodel.sizing import predict_lines, probe_subprocess
 
     rows, probe = [], None
     if args.fit:
@@ -225,8 +225,7 @@ def main() -> None:
     cache = Path(tempfile.gettempdir()) / "mtp-canary-bench"
     log_dir = str(cache / "logs")
     if args.auto:
-        from rollout.config import DEFAULT_CACHE
-        from rollout.tiny_sizing import size_tiny_model
+        from tinymodel.sizing import size_tiny_model
 
         t0 = time.perf_counter()
         sizing = size_tiny_model(DEFAULT_CACHE, print, reprobe=args.reprobe)

@@ -115,12 +115,12 @@ def _cmd_resume(args: argparse.Namespace) -> int:
 
 
 def _cmd_make_model(args: argparse.Namespace) -> int:
-    from rollout.tiny_checkpoint import TinyCheckpointSpec, write_checkpoint
+    from tinymodel.checkpoint import DEFAULT_CACHE, TinyCheckpointSpec, write_checkpoint
 
     layers, hidden, dtype = args.num_layers, args.hidden_size, args.dtype
     if args.auto_size:
-        from rollout.config import DEFAULT_CACHE, TinyModelOptions
-        from rollout.tiny_sizing import size_tiny_model
+        from rollout.config import TinyModelOptions
+        from tinymodel.sizing import size_tiny_model
 
         try:
             options = TinyModelOptions(num_layers=layers, hidden_size=hidden, dtype=dtype)

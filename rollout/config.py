@@ -8,7 +8,6 @@ before anything starts).
 from __future__ import annotations
 
 import math
-import os
 from pathlib import Path
 from typing import Any, Literal
 
@@ -21,7 +20,6 @@ from rollout.judge.config import GatesConfig, GuardConfig
 from rollout.judge.stats import MAX_PLANNED_LOOKS
 
 BASELINE, CANARY, TWIN = "baseline", "canary", "twin"
-DEFAULT_CACHE = Path(os.environ.get("MTP_CANARY_CACHE", Path.home() / ".cache" / "mtp-canary"))
 
 
 class ConfigError(ValueError):
@@ -34,7 +32,7 @@ class TinyModelOptions(BaseModel):
     Its size and the engine's dtype: `size: auto` (the default) lets a short
     probe of this machine pick the depth (and, on a slow machine, the width) so
     that single-stream TPOT at k=1 lands near 25 ms (band 15-40 ms), and the
-    dtype (float32 without native bf16), cached per machine (rollout/tiny_sizing.py);
+    dtype (float32 without native bf16), cached per machine (tinymodel/sizing.py);
     the arm's `engine.dtype` then follows the probe. `size: default` is the
     fixed 24 layers x hidden 1024. Explicit num_layers / hidden_size / dtype
     win over the probe (dtype also sets engine.dtype).

@@ -48,14 +48,14 @@ from cluster.router import Router
 from loadtests.options import TrafficOptions
 from loadtests.records import RequestRecord, read_records
 from loadtests.swarm import Swarm, SwarmError, SwarmProgress, SwarmSpec
-from rollout.config import BASELINE, CANARY, DEFAULT_CACHE, TWIN, ArmConfig, RolloutConfig
+from rollout.config import BASELINE, CANARY, TWIN, ArmConfig, RolloutConfig
 from rollout.evals import EvalItem, ItemOutcome, evaluate_batch, load_items, outputs_differ
 from rollout.experiment import LOAD_MARGIN_S, LOAD_STOP_TIMEOUT_S, ExperimentContext, ExperimentPhase
 from rollout.judge.accuracy import judge_accuracy, judge_divergence
 from rollout.judge.verdicts import Decision, GateResult, Verdict, decide, is_enabled
 from rollout.store import RunStore, controller_identity
-from rollout.tiny_checkpoint import TinyCheckpointSpec, checkpoint_dir, ensure_checkpoint
-from rollout.tiny_sizing import TinySizing, engine_dtype_for, size_tiny_model, sizing_for_arm, tiny_spec_for
+from tinymodel.checkpoint import DEFAULT_CACHE, TinyCheckpointSpec, checkpoint_dir, ensure_checkpoint
+from tinymodel.sizing import TinySizing, engine_dtype_for, size_tiny_model, sizing_for_arm, tiny_spec_for
 
 Progress = Callable[[str], None]
 
@@ -116,7 +116,7 @@ def new_run_id(name: str) -> str:
 def resolve_arm_engine(arm: ArmConfig, cache_dir: Path, progress: Progress, sizing: TinySizing | None = None):
     """The arm's EngineSpec with `model` pointing at a real checkpoint (tiny ones written now).
 
-    sizing: a rollout.tiny_sizing.TinySizing, from `size_tiny_model(cache_dir,
+    sizing: a tinymodel.sizing.TinySizing, from `size_tiny_model(cache_dir,
     progress, options=cfg.baseline.tiny_model)` called once per run and passed
     to both arms (store `sizing.model_dump()` as decision.json prepare.tiny_model).
     None: sized here (the probe's answer is cached per machine, so both arms

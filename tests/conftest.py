@@ -120,7 +120,7 @@ def wait_until_gone(pids, timeout_s: float) -> list[int]:
 @pytest.fixture(scope="session")
 def tiny_sizing():
     """The tiny model's size and dtype for this machine, as the demo picks them (probed once, cached)."""
-    from rollout.tiny_sizing import size_tiny_model
+    from tinymodel.sizing import size_tiny_model
 
     return size_tiny_model(Path(os.environ["MTP_CANARY_CACHE"]), print)
 
@@ -129,8 +129,8 @@ def tiny_sizing():
 def tiny_model_dir(tiny_sizing) -> Path:
     """The sized tiny checkpoint (perfect drafts): a vLLM test takes as long on a slow machine as on a fast one."""
     from rollout.config import TinyModelOptions
-    from rollout.tiny_checkpoint import checkpoint_dir, ensure_checkpoint
-    from rollout.tiny_sizing import tiny_spec_for
+    from tinymodel.checkpoint import checkpoint_dir, ensure_checkpoint
+    from tinymodel.sizing import tiny_spec_for
 
     spec = tiny_spec_for(TinyModelOptions(), tiny_sizing)
     return ensure_checkpoint(checkpoint_dir(Path(os.environ["MTP_CANARY_CACHE"]), spec), spec)

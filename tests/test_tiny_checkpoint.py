@@ -1,5 +1,5 @@
 """The tiny MiMo-V2 checkpoint does what its construction promises (checked on the tensors);
-its size and dtype follow the machine (rollout/tiny_sizing.py); its cache is keyed and written atomically."""
+its size and dtype follow the machine (tinymodel/sizing.py); its cache is keyed and written atomically."""
 
 import json
 import os
@@ -10,9 +10,10 @@ import pytest
 import torch
 from safetensors.torch import load_file
 
-from rollout import tiny_checkpoint, tiny_sizing
 from rollout.config import TinyModelOptions
-from rollout.tiny_checkpoint import (
+from tinymodel import checkpoint as tiny_checkpoint
+from tinymodel import sizing as tiny_sizing
+from tinymodel.checkpoint import (
     TinyCheckpointSpec,
     checkpoint_dir,
     checkpoint_key,
@@ -21,7 +22,7 @@ from rollout.tiny_checkpoint import (
     is_complete,
     write_checkpoint,
 )
-from rollout.tiny_sizing import (
+from tinymodel.sizing import (
     ProbeFigures,
     TinySizing,
     TpotLine,
@@ -134,7 +135,7 @@ def test_bad_spec_is_rejected():
         TinyCheckpointSpec(draft_noise=-1)
 
 
-# -- sizing for the machine (rollout/tiny_sizing.py) and the checkpoint cache ----------------
+# -- sizing for the machine (tinymodel/sizing.py) and the checkpoint cache ----------------
 
 SPR_FLAGS = "fpu sse2 avx2 avx512f avx512bw avx512_bf16 amx_bf16 amx_tile amx_int8"
 EPYC_FLAGS = "fpu sse2 avx avx2 fma bmi2 sha_ni"

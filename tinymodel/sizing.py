@@ -53,7 +53,7 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, Field
 
-from rollout.tiny_checkpoint import TinyCheckpointSpec
+from tinymodel.checkpoint import DEFAULT_CACHE, TinyCheckpointSpec
 
 PROBE_VERSION = 1
 TARGET_TPOT_MS = 25.0
@@ -378,7 +378,7 @@ def probe_subprocess(widths: Iterable[int], dtype: str, timeout_s: float = PROBE
     env = {**os.environ, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1"}
     root = Path(__file__).resolve().parent.parent
     env["PYTHONPATH"] = os.pathsep.join(p for p in (str(root), env.get("PYTHONPATH", "")) if p)
-    cmd = [sys.executable, "-m", "rollout.tiny_sizing", "search", "--dtype", dtype, "--widths", *map(str, widths)]
+    cmd = [sys.executable, "-m", "tinymodel.sizing", "search", "--dtype", dtype, "--widths", *map(str, widths)]
     done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=timeout_s, check=False)
     if done.returncode != 0:
         raise RuntimeError(f"tiny model probe failed (exit {done.returncode}): {done.stderr.strip()[-500:]}")
@@ -721,7 +721,7 @@ def tiny_spec_for(options: Any, sizing: TinySizing | None) -> TinyCheckpointSpec
 def _main(argv: list[str] | None = None) -> int:
     import argparse
 
-    parser = argparse.ArgumentParser(prog="python -m rollout.tiny_sizing", description=__doc__.splitlines()[0])
+    parser = argparse.ArgumentParser(prog="python -m tinymodel.sizing", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="cmd", required=True)
     probe = sub.add_parser("probe", help="time one width (this process; run with OMP_NUM_THREADS=1); prints JSON")
     probe.add_argument("--hidden", type=int, default=1024)
@@ -748,8 +748,6 @@ def _main(argv: list[str] | None = None) -> int:
         probes = search_sizes(probe_width, args.dtype, args.widths)
         print(json.dumps([f.model_dump() for f in probes]))
         return 0
-    from rollout.config import DEFAULT_CACHE
-
     sizing = size_tiny_model(args.cache or DEFAULT_CACHE, lambda line: print(line, file=sys.stderr), reprobe=args.reprobe)
     print(sizing.model_dump_json(indent=2))
     return 0

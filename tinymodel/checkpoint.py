@@ -48,7 +48,10 @@ from pathlib import Path
 
 import numpy as np
 
-GSM8K_DIR = Path(__file__).parent / "data" / "gsm8k"
+# the gsm8k text vendored with rollout (its package data; a path, not an import of rollout)
+GSM8K_DIR = Path(__file__).parent.parent / "rollout" / "data" / "gsm8k"
+# where checkpoints and machine probes are cached
+DEFAULT_CACHE = Path(os.environ.get("MTP_CANARY_CACHE", Path.home() / ".cache" / "mtp-canary"))
 EOS_TOKEN = "<|endoftext|>"
 SPECIAL_TOKENS = [EOS_TOKEN]
 ARCHITECTURE = "MiMoV2ForCausalLM"  # the MiMo-V2.5 architecture (fused qkv_proj)
