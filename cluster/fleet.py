@@ -70,7 +70,7 @@ class Fleet:
     # detached (needs a name prefix): the replicas outlive this driver (resume after a crash);
     # each holds a lease the owner must renew (cluster.lease), so an abandoned fleet stops itself
     detached: bool = False
-    lease_s: float | None = None  # renewed once at creation; the owner keeps renewing (renew_leases)
+    lease_s: float | None = None  # renewed once at creation; the owner keeps renewing (renew_lease)
     bind_host: str = "127.0.0.1"  # "0.0.0.0" when Locust or the router run on another node
     placement_timeout_s: float = 60.0
     poll_s: float = 2.0
@@ -259,14 +259,6 @@ class Fleet:
         if self.replicas:
             self.progress(f"fleet: stopping {len(self.replicas)} replica(s) left from an earlier attempt")
         self.teardown()
-
-    def renew_leases(self, seconds: float) -> None:
-        """Fire-and-forget lease renewal of every replica (see cluster.lease)."""
-        for r in self.replicas:
-            try:
-                r.actor.renew_lease.remote(seconds)
-            except Exception:  # a dead actor: the health checks report it
-                pass
 
     # -- observe ---------------------------------------------------------------
     def urls(self, arm: str | None = None) -> dict[str, list[str]] | list[str]:
