@@ -62,7 +62,7 @@ if str(REPO) not in sys.path:
     sys.path.insert(0, str(REPO))
 
 from benchmarks.stream_target import AchievedTiming, TargetProcess  # noqa: E402
-from loadtests.health import percentile  # noqa: E402
+from loadtests.health import format_or_na, percentile  # noqa: E402
 from loadtests.options import TrafficOptions  # noqa: E402
 from loadtests.records import RequestRecord, read_records  # noqa: E402
 from loadtests.swarm import Swarm, SwarmResult, SwarmSpec  # noqa: E402
@@ -344,11 +344,11 @@ def capacity_and_fidelity(plan: Plan, work: Path, out: dict[str, Any], say: Call
             prefix = f"levels.chunk{chunk}.streams{level}"
             out.update({f"{prefix}.{key}": value for key, value in f.items()})
             say(f"{chunk} token(s)/chunk, {level:3d} streams: {f['tokens_per_s']:6.0f} tokens/s, client CPU "
-                f"{_fmt(f['client_cpu_pct'], '.0f')}% -> {_fmt(f['tokens_per_cpu_s'], '.0f')} tokens/CPU-s; "
-                f"TPOT error {f['tpot_median_rel_error']:+.2%} (client {_fmt(f['client_tpot_median_rel_error'], '+.2%')}); "
+                f"{format_or_na(f['client_cpu_pct'], '.0f')}% -> {format_or_na(f['tokens_per_cpu_s'], '.0f')} tokens/CPU-s; "
+                f"TPOT error {f['tpot_median_rel_error']:+.2%} (client {format_or_na(f['client_tpot_median_rel_error'], '+.2%')}); "
                 f"TTFT median error {f['ttft_median_error_ms']:+.2f} ms; "
                 f"TTFT p99 error vs schedule {f['ttft_p99_error_ms']:+.2f} ms (client "
-                f"{_fmt(f['client_ttft_p99_error_ms'], '+.2f')}, target late p99 {_fmt(f['target_ttft_late_p99_ms'], '.2f')} ms)")
+                f"{format_or_na(f['client_ttft_p99_error_ms'], '+.2f')}, target late p99 {format_or_na(f['target_ttft_late_p99_ms'], '.2f')} ms)")
         per_chunk[chunk] = figures
         out[f"levels.chunk{chunk}.generator_warnings"] = result.warnings
 
@@ -398,7 +398,7 @@ def pacing(plan: Plan, capacity: float, work: Path, out: dict[str, Any], say: Ca
     out["pacing.send_lag_p99_ms"] = result.generator.send_lag_p99_ms
     out["pacing.generator_limited"] = result.generator_limited
     say(f"pacing: target {target_rps:.1f} req/s, achieved {out['pacing.achieved_rps']:.2f} req/s, send lag "
-        f"p50 {_fmt(result.generator.send_lag_p50_ms, '.2f')} ms, p99 {_fmt(result.generator.send_lag_p99_ms, '.2f')} ms "
+        f"p50 {format_or_na(result.generator.send_lag_p50_ms, '.2f')} ms, p99 {format_or_na(result.generator.send_lag_p99_ms, '.2f')} ms "
         f"({len(records)} requests, {cap_users} users)")
 
 
@@ -426,12 +426,8 @@ def distributed(plan: Plan, work: Path, out: dict[str, Any], say: Callable[[str]
     out["distributed.max_worker_cpu_pct"] = max((w.cpu_pct for w in workers if w.cpu_pct is not None), default=None)
     say(f"distributed ({d['workers']} workers, Poisson {d['rate']:g} req/s, {len(records)} requests): TTFT median error "
         f"{out['distributed.ttft_median_error_ms']:+.2f} ms, TPOT median error {out['distributed.tpot_median_rel_error']:+.2%}, "
-        f"send lag p50 {_fmt(out['distributed.send_lag_p50_ms'], '.2f')} ms, worker CPU "
-        + ", ".join(f"{w.worker} {_fmt(w.cpu_pct, '.0f')}%" for w in workers))
-
-
-def _fmt(value: float | None, spec: str) -> str:
-    return "n/a" if value is None else format(value, spec)
+        f"send lag p50 {format_or_na(out['distributed.send_lag_p50_ms'], '.2f')} ms, worker CPU "
+        + ", ".join(f"{w.worker} {format_or_na(w.cpu_pct, '.0f')}%" for w in workers))
 
 
 def benchmark(plan: Plan, say: Callable[[str], None]) -> dict[str, Any]:
@@ -480,7 +476,7 @@ def table(out: dict[str, Any], mode: str) -> str:
          f"{out['efficiency.vllm_bench_cpu_s_per_1k_tokens']:.4f}", "", None),
         ("CPU ratio ours / vllm bench serve", f"{out['efficiency.ratio']:.2f}", "<= 0.7", "efficiency.ratio"),
         (f"same runs, TTFT p99 error vs schedule: ours / vllm bench serve",
-         f"{out['efficiency.ours_ttft_p99_error_ms']:.2f} ms / {_fmt(out['efficiency.vllm_bench_ttft_p99_error_ms'], '.2f')} ms",
+         f"{out['efficiency.ours_ttft_p99_error_ms']:.2f} ms / {format_or_na(out['efficiency.vllm_bench_ttft_p99_error_ms'], '.2f')} ms",
          "", None),
         (f"max streamed tokens/s per worker core (at {out['efficiency.capacity_streams']} streams)",
          f"{out['efficiency.max_tokens_per_s_per_core']:.0f}", "", None),
@@ -491,9 +487,9 @@ def table(out: dict[str, Any], mode: str) -> str:
          f"{out['distributed.ttft_median_error_ms']:+.2f} ms", "<= 10 ms", "distributed.ttft_median_error_ms"),
         ("distributed run: TPOT median relative error", f"{out['distributed.tpot_median_rel_error']:+.2%}",
          "within 3%", "distributed.tpot_median_rel_error"),
-        ("distributed run: send lag median", f"{_fmt(out['distributed.send_lag_p50_ms'], '.2f')} ms", "<= 50 ms",
+        ("distributed run: send lag median", f"{format_or_na(out['distributed.send_lag_p50_ms'], '.2f')} ms", "<= 50 ms",
          "distributed.send_lag_p50_ms"),
-        ("distributed run: busiest worker's CPU", f"{_fmt(out['distributed.max_worker_cpu_pct'], '.0f')}% of a core",
+        ("distributed run: busiest worker's CPU", f"{format_or_na(out['distributed.max_worker_cpu_pct'], '.0f')}% of a core",
          "< 100%", "distributed.max_worker_cpu_pct"),
     ]
     ok = verdicts(out)

@@ -37,14 +37,12 @@ import ray
 from aiohttp import web
 from yarl import URL
 
+from cluster.arms import ARM_HEADER, BASELINE, CANARY
 from cluster.lease import Lease
 
-BASELINE = "baseline"
-CANARY = "canary"
 # Arms a client may always pin, even before `set_arms` (then: 503, not 400).
 DEFAULT_ARMS: tuple[str, ...] = (BASELINE, CANARY)
 
-ARM_HEADER = "x-mtp-canary-arm"
 REPLICA_HEADER = "x-mtp-canary-replica"
 
 MAX_WEIGHT = 100.0
@@ -625,9 +623,6 @@ class RouterServer:
 Router = ray.remote(num_cpus=0)(RouterServer)
 
 __all__ = [
-    "ARM_HEADER",
-    "BASELINE",
-    "CANARY",
     "DEFAULT_ARMS",
     "REPLICA_HEADER",
     "ArmCounts",

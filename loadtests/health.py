@@ -7,7 +7,9 @@ core, or a send lag whose p99 exceeds the limit, means the offered load was not 
 asked for: the run says so (`generator_limited`, `warnings`) instead of passing the
 generator's limit off as the server's.
 
-Nothing here imports Locust or gevent.
+The percentile and number-formatting helpers of the project live here too (`percentile`,
+`percentile_ms`, `median_ms`, `format_or_na`): the records' summaries, the judges and the
+benchmarks use them. Nothing here imports Locust or gevent (nor, at import, numpy).
 """
 
 from __future__ import annotations
@@ -31,6 +33,33 @@ def percentile(values: Sequence[float], q: float) -> float | None:
     low = math.floor(position)
     high = min(low + 1, len(ordered) - 1)
     return ordered[low] + (ordered[high] - ordered[low]) * (position - low)
+
+
+def percentile_ms(values, q: float, ndigits: int | None = 3) -> float | None:
+    """numpy's linear percentile (q in 0..100) of values in seconds, in ms rounded to `ndigits`
+    (None: unrounded); None when empty. numpy's arithmetic, which can differ from `percentile`'s
+    in the last bit."""
+    import numpy as np  # here: the Locust side imports this module, and no numpy
+
+    arr = np.asarray(values, dtype=float)
+    if not arr.size:
+        return None
+    ms = float(np.percentile(arr, q)) * 1000.0
+    return ms if ndigits is None else round(ms, ndigits)
+
+
+def median_ms(values) -> float | None:
+    """numpy's median of values in seconds, in ms rounded to 3 digits; None when empty. np.median
+    averages the two middle values, which can differ from percentile_ms(values, 50) in the last bit."""
+    import numpy as np  # here: the Locust side imports this module, and no numpy
+
+    arr = np.asarray(values, dtype=float)
+    return round(float(np.median(arr)) * 1000.0, 3) if arr.size else None
+
+
+def format_or_na(value: float | None, spec: str = ".2f") -> str:
+    """`value` formatted with `spec`, or "n/a" for None."""
+    return "n/a" if value is None else format(value, spec)
 
 
 class CpuMeter:

@@ -19,7 +19,7 @@ from rollout.evals import EvalSpec
 from rollout.judge.config import GatesConfig, GuardConfig
 from rollout.judge.stats import MAX_PLANNED_LOOKS
 
-BASELINE, CANARY, TWIN = "baseline", "canary", "twin"
+TWIN = "twin"  # the second baseline arm (twin_baseline: the A/A noise floor)
 
 
 class ConfigError(ValueError):

@@ -42,13 +42,15 @@ import ray
 import requests
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
+from cluster.arms import BASELINE, CANARY
 from cluster.fleet import ArmSpec, Fleet, FleetStartError
 from cluster.ray_cluster import connect, find_actor, kill_quietly
 from cluster.router import Router
+from loadtests.health import percentile_ms
 from loadtests.options import TrafficOptions
 from loadtests.records import RequestRecord, read_records
 from loadtests.swarm import Swarm, SwarmError, SwarmProgress, SwarmSpec
-from rollout.config import BASELINE, CANARY, TWIN, ArmConfig, RolloutConfig
+from rollout.config import TWIN, ArmConfig, RolloutConfig
 from rollout.evals import EvalItem, ItemOutcome, evaluate_batch, load_items, outputs_differ
 from rollout.experiment import LOAD_MARGIN_S, LOAD_STOP_TIMEOUT_S, ExperimentContext, ExperimentPhase
 from rollout.judge.accuracy import judge_accuracy, judge_divergence
@@ -929,13 +931,8 @@ def _latency_summary(records: list[RequestRecord], arm: str) -> dict[str, float 
         ("e2e", [r.e2e_s for r in ok]),
     ):
         for q in (50, 95, 99):
-            out[f"{metric}_p{q}"] = _p(values, q)
+            out[f"{metric}_p{q}"] = percentile_ms(values, q)
     return out
-
-
-def _p(values, q: float) -> float | None:
-    arr = np.asarray(values, dtype=float)
-    return round(float(np.percentile(arr, q)) * 1000.0, 3) if arr.size else None
 
 
 def _mean(values) -> float | None:

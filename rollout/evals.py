@@ -30,6 +30,8 @@ from typing import Any, Literal
 import requests
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
+from cluster.arms import ARM_HEADER
+
 GSM8K_DIR = Path(__file__).parent / "data" / "gsm8k"
 GSM8K_TEST = GSM8K_DIR / "test.jsonl"
 GSM8K_TRAIN = GSM8K_DIR / "train.jsonl"
@@ -37,8 +39,6 @@ GSM8K_TRAIN = GSM8K_DIR / "train.jsonl"
 # vLLM's gsm8k eval stops at the next "Question" (the model starting a new
 # shot); the other two end a turn in common chat-trained base models.
 GSM8K_STOP = ["Question", "</s>", "<|im_end|>"]
-
-ARM_HEADER = "x-mtp-canary-arm"
 
 # A minus sign counts only when it does not follow a word character, so the
 # arithmetic "16-3-4=9" yields 16, 3, 4, 9 rather than -3 and -4, while

@@ -33,11 +33,13 @@ from typing import Any
 import numpy as np
 import ray
 
+from cluster.arms import BASELINE, CANARY
 from cluster.distributed_load import DistributedSwarm
 from cluster.metrics import MetricsSnapshot, SpecDecodeStats
+from loadtests.health import format_or_na, percentile_ms
 from loadtests.records import RecordsTail, RequestRecord
 from loadtests.swarm import Swarm, SwarmError, SwarmResult, SwarmSpec
-from rollout.config import BASELINE, CANARY, TWIN, ExperimentConfig
+from rollout.config import TWIN, ExperimentConfig
 from rollout.judge.acceptance import judge_acceptance
 from rollout.judge.config import GatesConfig
 from rollout.judge.latency import LatencySamples, judge_latency
@@ -340,8 +342,8 @@ class ExperimentPhase:
         self.look_summaries.append(summary)
         self.say(
             f"look {look}/{plan.planned_looks} (information {self.fractions[-1]:.2f}) | requests baseline "
-            f"{baseline.n_total} canary {canary.n_total} | TPOT p50 ms baseline {_p50_ms(baseline.tpot_s)} canary "
-            f"{_p50_ms(canary.tpot_s)} | acceptance length {_fmt(canary_sd.mean_acceptance_length)} | "
+            f"{baseline.n_total} canary {canary.n_total} | TPOT p50 ms baseline {percentile_ms(baseline.tpot_s, 50)} canary "
+            f"{percentile_ms(canary.tpot_s, 50)} | acceptance length {format_or_na(canary_sd.mean_acceptance_length)} | "
             + ", ".join(f"{g.name}: {g.verdict.value}" for g in self.gates)
         )
         ctx.event("look", f"look {look}: " + ", ".join(f"{k}={v}" for k, v in summary["verdicts"].items()))
@@ -417,18 +419,5 @@ class ExperimentPhase:
             "load_start_s": round(first_send - load_started, 3) if first_send is not None else None,
             "duration_s": time.monotonic() - started,
             "generator_warnings": generator_warnings,
-            "generator_send_lag_p99_ms": _percentile_ms([r.send_lag_s for r in self.records if r.send_lag_s is not None], 99),
+            "generator_send_lag_p99_ms": percentile_ms([r.send_lag_s for r in self.records if r.send_lag_s is not None], 99),
         }
-
-
-def _percentile_ms(values, q: float) -> float | None:
-    arr = np.asarray(values, dtype=float)
-    return round(float(np.percentile(arr, q)) * 1000.0, 3) if arr.size else None
-
-
-def _p50_ms(values) -> float | None:
-    return _percentile_ms(values, 50)
-
-
-def _fmt(value: float | None) -> str:
-    return "n/a" if value is None else f"{value:.2f}"

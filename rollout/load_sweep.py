@@ -19,13 +19,10 @@ from collections.abc import Sequence
 
 import numpy as np
 
+from loadtests.health import format_or_na, median_ms
 from loadtests.records import RequestRecord
 
 __all__ = ["summarize_sweep", "sweep_table"]
-
-
-def _p50_ms(values: list[float]) -> float | None:
-    return round(float(np.median(values)) * 1000.0, 3) if values else None
 
 
 def summarize_sweep(records: Sequence[RequestRecord], arms: Sequence[str], step_s: float) -> list[dict]:
@@ -43,8 +40,8 @@ def summarize_sweep(records: Sequence[RequestRecord], arms: Sequence[str], step_
             row["arms"][arm] = {
                 "requests": len(mine),
                 "errors": sum(1 for r in mine if not r.ok),
-                "tpot_p50_ms": _p50_ms([r.tpot_s for r in ok if r.tpot_s is not None]),
-                "ttft_p50_ms": _p50_ms([r.ttft_s for r in ok if r.ttft_s is not None]),
+                "tpot_p50_ms": median_ms([r.tpot_s for r in ok if r.tpot_s is not None]),
+                "ttft_p50_ms": median_ms([r.ttft_s for r in ok if r.ttft_s is not None]),
                 "output_tokens_per_s": round(sum(r.output_tokens or 0 for r in ok) / step_s, 2),
                 "tokens_per_chunk": round(float(np.mean(per_chunk)), 3) if per_chunk else None,
             }
@@ -66,12 +63,8 @@ def sweep_table(rows: Sequence[dict], arms: Sequence[str]) -> list[str]:
         b, c = row["arms"][base], row["arms"][canary]
         ratio = "n/a" if row["tpot_ratio"] is None else f"{row['tpot_ratio']:.2f}"
         lines.append(
-            f"| {row['level']:g} | {_fmt(b['tpot_p50_ms'])} | {_fmt(c['tpot_p50_ms'])} | {ratio} | "
-            f"{_fmt(b['ttft_p50_ms'])} | {_fmt(c['ttft_p50_ms'])} | {_fmt(c['tokens_per_chunk'])} | "
+            f"| {row['level']:g} | {format_or_na(b['tpot_p50_ms'])} | {format_or_na(c['tpot_p50_ms'])} | {ratio} | "
+            f"{format_or_na(b['ttft_p50_ms'])} | {format_or_na(c['ttft_p50_ms'])} | {format_or_na(c['tokens_per_chunk'])} | "
             f"{b['requests']}/{c['requests']} | {b['output_tokens_per_s'] + c['output_tokens_per_s']:.1f} |"
         )
     return lines
-
-
-def _fmt(value: float | None) -> str:
-    return "n/a" if value is None else f"{value:.2f}"

@@ -50,12 +50,13 @@ from typing import Any
 
 import ray
 
+from cluster.arms import BASELINE, CANARY
 from cluster.metrics import MetricsSnapshot, SpecDecodeStats
 from cluster.ray_cluster import kill_quietly
 from loadtests.options import TrafficOptions
 from loadtests.records import RecordsTail, RequestRecord
 from loadtests.swarm import SwarmError, SwarmSpec
-from rollout.config import BASELINE, CANARY, ProgressiveConfig, RolloutStep
+from rollout.config import ProgressiveConfig, RolloutStep
 from rollout.judge.guards import enabled_guard_names, judge_guard_window
 from rollout.judge.verdicts import Decision, GateResult, Verdict
 from rollout.store import RunStore

@@ -25,8 +25,8 @@ import ray
 import requests
 from aiohttp import web
 
+from cluster.arms import ARM_HEADER
 from cluster.router import (
-    ARM_HEADER,
     REPLICA_HEADER,
     ArmSelector,
     ArmWeights,

@@ -33,6 +33,6 @@ worse); error and divergence differences are canary - reference. Swapping the
 arms mirrors every estimate and interval.
 
 Import rule: modules here import only each other, numpy, scipy, pydantic and the
-plain-data modules ``cluster.metrics`` and ``loadtests.records``; nothing else of
-``rollout``, nothing of Ray, HTTP or SQLite.
+plain-data modules ``cluster.metrics`` and ``loadtests.records`` (and the percentile
+helpers of ``loadtests.health``); nothing else of ``rollout``, nothing of Ray, HTTP or SQLite.
 """

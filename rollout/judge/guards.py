@@ -76,6 +76,7 @@ import numpy as np
 from scipy import stats as sps
 
 from cluster.metrics import SpecDecodeStats
+from loadtests.health import percentile_ms
 from loadtests.records import RequestRecord
 from rollout.judge import stats
 from rollout.judge.config import GuardConfig
@@ -265,10 +266,6 @@ def _errors(b: ArmWindow, c: ArmWindow, cfg: GuardConfig, alpha: float, common: 
     return GateResult(**base, verdict=Verdict.INCONCLUSIVE, detail=f"{counts}: {why}")
 
 
-def _p95_ms(values: np.ndarray) -> float | None:
-    return float(np.percentile(values, 95)) * 1000.0 if values.size else None
-
-
 def _slo(
     name: str,
     metric: str,
@@ -282,8 +279,8 @@ def _slo(
     base = dict(
         name=name,
         metric=metric,
-        baseline=_p95_ms(baseline),
-        canary=_p95_ms(canary),
+        baseline=percentile_ms(baseline, 95, ndigits=None),
+        canary=percentile_ms(canary, 95, ndigits=None),
         threshold=slo_s * 1000.0 if slo_s is not None else None,
         **{**common, "n_canary": int(canary.size), "n_baseline": int(baseline.size)},
     )
