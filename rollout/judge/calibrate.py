@@ -66,7 +66,7 @@ import argparse
 import json
 import math
 import sys
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from dataclasses import asdict, dataclass, field
 
 import numpy as np
@@ -358,6 +358,232 @@ def _rate(mask: np.ndarray) -> float:
     return float(np.mean(mask))
 
 
+@dataclass(frozen=True)
+class _CalibrationRun:
+    """What every scenario of one calibration shares: its setup and its random streams.
+
+    ``streams`` yields one independent generator per simulated data set. The
+    scenarios draw them in a fixed order, so that one seed reproduces the same
+    numbers; a scenario added or reordered changes every later one.
+    """
+
+    trials: int
+    cfg: GatesConfig
+    design: CalibrationDesign
+    streams: Iterator[np.random.Generator]
+
+    @property
+    def looks(self) -> int:
+        return self.cfg.max_looks
+
+    @property
+    def n(self) -> int:
+        """Successful requests per arm per window."""
+        return self.design.requests_per_window
+
+    def next_stream(self) -> np.random.Generator:
+        return next(self.streams)
+
+    def latency_pair(
+        self, tpot_ratio: float = 1.0, ttft_ratio: float = 1.0, canary_error_rate: float | None = None
+    ) -> tuple[_ArmData, _ArmData]:
+        """Baseline and canary latencies under one shared load, from the next stream."""
+        rng = self.next_stream()
+        lat_model = self.design.latency
+        load = _shared_load(rng, self.trials, self.looks, self.n, lat_model)
+        baseline = _simulate_arm(rng, load, lat_model)
+        canary = _simulate_arm(rng, load, lat_model, tpot_ratio, ttft_ratio, canary_error_rate)
+        return baseline, canary
+
+
+def _no_harm_indices(names: Sequence[str]) -> list[int]:
+    """Positions of the gates that can only roll back (every latency gate but the objective)."""
+    return [i for i, name in enumerate(names) if name != OBJECTIVE_NAME]
+
+
+def _objective_passes(verdicts: _LatencyVerdicts, trials: int) -> np.ndarray:
+    """Per trial: whether the objective passed at some look (all False when it is disabled)."""
+    if OBJECTIVE_NAME in verdicts.names:
+        return (verdicts.codes[:, :, verdicts.names.index(OBJECTIVE_NAME)] == PASS_CODE).any(axis=0)
+    return np.zeros(trials, bool)
+
+
+def _aa_scenario(run: _CalibrationRun) -> dict:
+    """A/A, nothing changes: false rollbacks of every no-harm gate at any look, false promotes of the objective."""
+    trials, cfg, items, acc_model = run.trials, run.cfg, run.design.eval_items, run.design.accuracy
+    baseline, canary = run.latency_pair()
+    aa = _latency_verdicts(baseline, canary, cfg)
+    guard_idx = _no_harm_indices(aa.names)
+    latency_false_fail = (aa.codes[:, :, guard_idx] == FAIL_CODE).any(axis=(0, 2))
+    objective_pass_aa = _objective_passes(aa, trials)
+
+    acc_rng = run.next_stream()
+    b_correct, c_correct = _paired_items(acc_rng, trials, items, acc_model, 0.0)
+    acc_codes, _ = _paired_verdicts(b_correct, c_correct, cfg.accuracy_margin, cfg)
+    accuracy_false_fail = (acc_codes == FAIL_CODE).any(axis=0)
+    div_rng = run.next_stream()
+    canary_div = div_rng.random((trials, items)) < acc_model.divergence_rate
+    twin_div = div_rng.random((trials, items)) < acc_model.divergence_rate
+    div_codes, _ = _paired_verdicts(canary_div, twin_div, cfg.divergence_margin, cfg)
+    divergence_false_fail = (div_codes == FAIL_CODE).any(axis=0)
+    if not is_enabled(ACCURACY_NAME, cfg):
+        accuracy_false_fail[:] = False
+    if not is_enabled(DIVERGENCE_NAME, cfg):
+        divergence_false_fail[:] = False
+    any_false_fail = latency_false_fail | accuracy_false_fail | divergence_false_fail
+
+    aa_final = _first_look(_final_mask(aa.codes))
+    return {
+        "false_promote_rate": _rate(objective_pass_aa),
+        "false_rollback_rate": _rate(any_false_fail),
+        "false_rollback_latency_guardrails": _rate(latency_false_fail),
+        "false_rollback_accuracy": _rate(accuracy_false_fail),
+        "false_rollback_divergence": _rate(divergence_false_fail),
+        "mean_samples_to_final": float(np.mean(_samples_at(aa_final, aa.n_per_look))),
+    }
+
+
+def _boundary_scenario(run: _CalibrationRun) -> dict:
+    """True TPOT improvement exactly the configured minimum: P(objective passes), P(all latency gates pass)."""
+    trials, cfg = run.trials, run.cfg
+    baseline, canary = run.latency_pair(tpot_ratio=1.0 - cfg.tpot_p50_min_improvement)
+    bd = _latency_verdicts(baseline, canary, cfg)
+    objective_pass = _objective_passes(bd, trials)
+    bd_final = _first_look(_final_mask(bd.codes))
+    promoted = np.zeros(trials, bool)
+    has_final = bd_final >= 0
+    promoted[has_final] = (bd.codes[bd_final[has_final], np.flatnonzero(has_final)] == PASS_CODE).all(axis=-1)
+    return {
+        "tpot_p50_ratio": 1.0 - cfg.tpot_p50_min_improvement,
+        "false_promote_rate": _rate(objective_pass),
+        "latency_promote_rate": _rate(promoted),
+    }
+
+
+def _guardrail_boundary_scenario(run: _CalibrationRun) -> dict:
+    """Guardrails exactly at their limits: the Holm family's false-rollback rate."""
+    cfg = run.cfg
+    baseline, canary = run.latency_pair(
+        ttft_ratio=cfg.ttft_p95_max_ratio, canary_error_rate=run.design.latency.error_rate + cfg.error_rate_max_increase
+    )
+    gb = _latency_verdicts(baseline, canary, cfg)
+    gb_idx = _no_harm_indices(gb.names)
+    return {
+        "guardrails": [gb.names[i] for i in gb_idx],
+        "false_rollback_rate": _rate((gb.codes[:, :, gb_idx] == FAIL_CODE).any(axis=(0, 2))),
+    }
+
+
+def _accuracy_boundary_scenario(run: _CalibrationRun) -> dict:
+    """Accuracy drop exactly at the non-inferiority margin.
+
+    Both verdicts are errors here: a pass promotes a canary that is not
+    non-inferior, a fail rolls back one that is within the margin.
+    """
+    cfg = run.cfg
+    rng = run.next_stream()
+    b_correct, c_correct = _paired_items(rng, run.trials, run.design.eval_items, run.design.accuracy, cfg.accuracy_margin)
+    margin_codes, _ = _paired_verdicts(b_correct, c_correct, cfg.accuracy_margin, cfg)
+    return {
+        "drop_points": 100.0 * cfg.accuracy_margin,
+        "false_promote_rate": _rate((margin_codes == PASS_CODE).any(axis=0)),
+        "false_rollback_rate": _rate((margin_codes == FAIL_CODE).any(axis=0)),
+    }
+
+
+def _latency_power_rows(run: _CalibrationRun) -> list[dict]:
+    """Power to detect each TPOT improvement, sequential vs fixed horizon vs Kayenta's Mann-Whitney."""
+    trials, looks, n = run.trials, run.looks, run.n
+    detect_cfg = run.cfg.model_copy(update={"tpot_p50_min_improvement": 0.0})
+    fixed_cfg = detect_cfg.model_copy(update={"max_looks": 1})
+
+    def pooled(arm: _ArmData) -> np.ndarray:
+        """All windows' TPOT samples as one look, (trials, 1, looks * n)."""
+        return arm.tpot.reshape(trials, 1, looks * n)
+
+    latency_rows = []
+    for effect in run.design.latency_effects:
+        baseline, canary = run.latency_pair(tpot_ratio=1.0 - effect)
+        verdicts = _latency_verdicts(baseline, canary, detect_cfg)
+        obj = verdicts.codes[:, :, verdicts.names.index(OBJECTIVE_NAME)]
+        decided = _first_look(obj != INCONCLUSIVE_CODE)
+        all_final = _first_look(_final_mask(verdicts.codes))
+        all_pass = (verdicts.codes == PASS_CODE).all(axis=-1).any(axis=0)
+        # Fixed horizon: one analysis of all windows, full alpha at once.
+        fixed_upper, (fixed_lower,) = _ratio_bounds(pooled(baseline), pooled(canary), 0.5, fixed_cfg, [fixed_cfg.alpha])
+        fixed_pass = upper_is_good_verdict(fixed_lower, fixed_upper, 0.0, True, True)[-1] == PASS_CODE
+        kayenta_p = stats.mann_whitney_less_pvalue(
+            baseline.tpot.reshape(trials, looks * n), canary.tpot.reshape(trials, looks * n)
+        )
+        latency_rows.append(
+            {
+                "effect": effect,
+                "power": _rate((obj == PASS_CODE).any(axis=0)),
+                "mean_samples": float(np.mean(_samples_at(decided, verdicts.n_per_look))),
+                "fixed_power": _rate(fixed_pass),
+                "fixed_samples": int(looks * n),
+                "kayenta_power": _rate(kayenta_p < 0.01),
+                "mean_samples_all_gates": float(np.mean(_samples_at(all_final, verdicts.n_per_look))),
+                "promote_rate": _rate(all_pass),
+            }
+        )
+    return latency_rows
+
+
+def _accuracy_power_rows(run: _CalibrationRun) -> list[dict]:
+    """Power to detect each accuracy drop, paired sequential vs the unpaired two-proportion z-test."""
+    cfg, trials, items = run.cfg, run.trials, run.design.eval_items
+    detect_acc = cfg.model_copy(update={"accuracy_margin": 0.0})
+    accuracy_rows = []
+    for drop_points in run.design.accuracy_drops_points:
+        rng = run.next_stream()
+        b_correct, c_correct = _paired_items(rng, trials, items, run.design.accuracy, drop_points / 100.0)
+        codes, ends = _paired_verdicts(b_correct, c_correct, 0.0, detect_acc)
+        decided = _first_look(codes != INCONCLUSIVE_CODE)
+        unpaired_p = stats.two_proportion_less_pvalue(b_correct.sum(axis=1), c_correct.sum(axis=1), items)
+        accuracy_rows.append(
+            {
+                "drop_points": drop_points,
+                "power": _rate((codes == FAIL_CODE).any(axis=0)),
+                "mean_items": float(np.mean(_samples_at(decided, ends))),
+                "unpaired_power": _rate(unpaired_p < cfg.alpha),
+                "unpaired_items": int(items),
+            }
+        )
+    return accuracy_rows
+
+
+def _broken_config_scenario(run: _CalibrationRun) -> dict:
+    """Broken config (95% -> 1%), checked after every item with the always-valid rule: items to fail."""
+    cfg, acc_model = run.cfg, run.design.accuracy
+    rng = run.next_stream()
+    check = run.design.broken_check_items
+    b_correct = rng.random((run.trials, check)) < acc_model.baseline_accuracy
+    c_correct = rng.random((run.trials, check)) < acc_model.broken_accuracy
+    fired = _early_stop_items(b_correct.astype(np.int8) - c_correct.astype(np.int8), cfg.accuracy_margin, -1.0, cfg)
+    caught = fired >= 0
+    return {
+        "baseline_accuracy": acc_model.baseline_accuracy,
+        "canary_accuracy": acc_model.broken_accuracy,
+        "caught_rate": _rate(caught),
+        "mean_items_to_fail": float(np.mean(fired[caught] + 1)) if caught.any() else None,
+        "max_items_to_fail": int(np.max(fired[caught] + 1)) if caught.any() else None,
+        "within_items": check,
+    }
+
+
+def _design_summary(run: _CalibrationRun) -> dict:
+    """The simulated setup, for the published table."""
+    return {
+        "max_looks": run.looks,
+        "requests_per_window_per_arm": run.n,
+        "eval_items": run.design.eval_items,
+        "spending": run.cfg.spending,
+        "latency_model": asdict(run.design.latency),
+        "accuracy_model": asdict(run.design.accuracy),
+    }
+
+
 def run_calibration(
     trials: int = 2000,
     seed: int = 0,
@@ -379,177 +605,23 @@ def run_calibration(
         raise ValueError("trials must be >= 1")
     cfg = cfg or GatesConfig()
     design = design or CalibrationDesign()
-    looks = cfg.max_looks
-    n = design.requests_per_window
-    lat_model, acc_model = design.latency, design.accuracy
-    streams = iter(np.random.default_rng(seed).spawn(64))
-
-    def latency_pair(tpot_ratio=1.0, ttft_ratio=1.0, canary_error_rate=None):
-        rng = next(streams)
-        load = _shared_load(rng, trials, looks, n, lat_model)
-        baseline = _simulate_arm(rng, load, lat_model)
-        canary = _simulate_arm(rng, load, lat_model, tpot_ratio, ttft_ratio, canary_error_rate)
-        return baseline, canary
-
-    objective = OBJECTIVE_NAME
-    no_harm = lambda names: [i for i, name in enumerate(names) if name != objective]  # noqa: E731
-
-    # --- A/A ---------------------------------------------------------------
-    baseline, canary = latency_pair()
-    aa = _latency_verdicts(baseline, canary, cfg)
-    guard_idx = no_harm(aa.names)
-    latency_false_fail = (aa.codes[:, :, guard_idx] == FAIL_CODE).any(axis=(0, 2))
-    objective_pass_aa = (aa.codes[:, :, aa.names.index(objective)] == PASS_CODE).any(axis=0) if objective in aa.names else np.zeros(trials, bool)
-
-    items = design.eval_items
-    acc_rng = next(streams)
-    b_correct, c_correct = _paired_items(acc_rng, trials, items, acc_model, 0.0)
-    acc_codes, _ = _paired_verdicts(b_correct, c_correct, cfg.accuracy_margin, cfg)
-    accuracy_false_fail = (acc_codes == FAIL_CODE).any(axis=0)
-    div_rng = next(streams)
-    canary_div = div_rng.random((trials, items)) < acc_model.divergence_rate
-    twin_div = div_rng.random((trials, items)) < acc_model.divergence_rate
-    div_codes, _ = _paired_verdicts(canary_div, twin_div, cfg.divergence_margin, cfg)
-    divergence_false_fail = (div_codes == FAIL_CODE).any(axis=0)
-    if not is_enabled(ACCURACY_NAME, cfg):
-        accuracy_false_fail[:] = False
-    if not is_enabled(DIVERGENCE_NAME, cfg):
-        divergence_false_fail[:] = False
-    any_false_fail = latency_false_fail | accuracy_false_fail | divergence_false_fail
-
-    aa_final = _first_look(_final_mask(aa.codes))
-    result: dict = {
+    run = _CalibrationRun(trials=trials, cfg=cfg, design=design, streams=iter(np.random.default_rng(seed).spawn(64)))
+    # A dict display evaluates left to right, so the scenarios run, and draw
+    # their random streams, in the order of the published keys below.
+    return {
         "alpha": cfg.alpha,
         "trials": trials,
         "seed": seed,
         "simulation_se": math.sqrt(cfg.alpha * (1.0 - cfg.alpha) / trials),
-        "aa": {
-            "false_promote_rate": _rate(objective_pass_aa),
-            "false_rollback_rate": _rate(any_false_fail),
-            "false_rollback_latency_guardrails": _rate(latency_false_fail),
-            "false_rollback_accuracy": _rate(accuracy_false_fail),
-            "false_rollback_divergence": _rate(divergence_false_fail),
-            "mean_samples_to_final": float(np.mean(_samples_at(aa_final, aa.n_per_look))),
-        },
+        "aa": _aa_scenario(run),
+        "boundary": _boundary_scenario(run),
+        "guardrail_boundary": _guardrail_boundary_scenario(run),
+        "accuracy_boundary": _accuracy_boundary_scenario(run),
+        "latency": _latency_power_rows(run),
+        "accuracy": _accuracy_power_rows(run),
+        "broken_config": _broken_config_scenario(run),
+        "design": _design_summary(run),
     }
-
-    # --- boundary: true TPOT improvement exactly the configured minimum -----
-    baseline, canary = latency_pair(tpot_ratio=1.0 - cfg.tpot_p50_min_improvement)
-    bd = _latency_verdicts(baseline, canary, cfg)
-    if objective in bd.names:
-        objective_pass = (bd.codes[:, :, bd.names.index(objective)] == PASS_CODE).any(axis=0)
-    else:
-        objective_pass = np.zeros(trials, bool)
-    bd_final = _first_look(_final_mask(bd.codes))
-    promoted = np.zeros(trials, bool)
-    has_final = bd_final >= 0
-    promoted[has_final] = (bd.codes[bd_final[has_final], np.flatnonzero(has_final)] == PASS_CODE).all(axis=-1)
-    result["boundary"] = {
-        "tpot_p50_ratio": 1.0 - cfg.tpot_p50_min_improvement,
-        "false_promote_rate": _rate(objective_pass),
-        "latency_promote_rate": _rate(promoted),
-    }
-
-    # --- guardrails exactly at their limits (Holm family) --------------------
-    baseline, canary = latency_pair(
-        ttft_ratio=cfg.ttft_p95_max_ratio, canary_error_rate=lat_model.error_rate + cfg.error_rate_max_increase
-    )
-    gb = _latency_verdicts(baseline, canary, cfg)
-    gb_idx = no_harm(gb.names)
-    result["guardrail_boundary"] = {
-        "guardrails": [gb.names[i] for i in gb_idx],
-        "false_rollback_rate": _rate((gb.codes[:, :, gb_idx] == FAIL_CODE).any(axis=(0, 2))),
-    }
-
-    # --- accuracy drop exactly at the non-inferiority margin -----------------------
-    # Both verdicts are errors here: a pass promotes a canary that is not
-    # non-inferior, a fail rolls back one that is within the margin.
-    rng = next(streams)
-    b_correct, c_correct = _paired_items(rng, trials, items, acc_model, cfg.accuracy_margin)
-    margin_codes, _ = _paired_verdicts(b_correct, c_correct, cfg.accuracy_margin, cfg)
-    result["accuracy_boundary"] = {
-        "drop_points": 100.0 * cfg.accuracy_margin,
-        "false_promote_rate": _rate((margin_codes == PASS_CODE).any(axis=0)),
-        "false_rollback_rate": _rate((margin_codes == FAIL_CODE).any(axis=0)),
-    }
-
-    # --- latency power ---------------------------------------------------------
-    detect_cfg = cfg.model_copy(update={"tpot_p50_min_improvement": 0.0})
-    fixed_cfg = detect_cfg.model_copy(update={"max_looks": 1})
-    latency_rows = []
-    for effect in design.latency_effects:
-        baseline, canary = latency_pair(tpot_ratio=1.0 - effect)
-        verdicts = _latency_verdicts(baseline, canary, detect_cfg)
-        obj = verdicts.codes[:, :, verdicts.names.index(objective)]
-        decided = _first_look(obj != INCONCLUSIVE_CODE)
-        all_final = _first_look(_final_mask(verdicts.codes))
-        all_pass = (verdicts.codes == PASS_CODE).all(axis=-1).any(axis=0)
-        # Fixed horizon: one analysis of all windows, full alpha at once.
-        pooled = lambda arm: arm.tpot.reshape(trials, 1, looks * n)  # noqa: E731
-        fixed_upper, (fixed_lower,) = _ratio_bounds(pooled(baseline), pooled(canary), 0.5, fixed_cfg, [fixed_cfg.alpha])
-        fixed_pass = upper_is_good_verdict(fixed_lower, fixed_upper, 0.0, True, True)[-1] == PASS_CODE
-        kayenta_p = stats.mann_whitney_less_pvalue(
-            baseline.tpot.reshape(trials, looks * n), canary.tpot.reshape(trials, looks * n)
-        )
-        latency_rows.append(
-            {
-                "effect": effect,
-                "power": _rate((obj == PASS_CODE).any(axis=0)),
-                "mean_samples": float(np.mean(_samples_at(decided, verdicts.n_per_look))),
-                "fixed_power": _rate(fixed_pass),
-                "fixed_samples": int(looks * n),
-                "kayenta_power": _rate(kayenta_p < 0.01),
-                "mean_samples_all_gates": float(np.mean(_samples_at(all_final, verdicts.n_per_look))),
-                "promote_rate": _rate(all_pass),
-            }
-        )
-    result["latency"] = latency_rows
-
-    # --- accuracy power ----------------------------------------------------------
-    detect_acc = cfg.model_copy(update={"accuracy_margin": 0.0})
-    accuracy_rows = []
-    for drop_points in design.accuracy_drops_points:
-        rng = next(streams)
-        b_correct, c_correct = _paired_items(rng, trials, items, acc_model, drop_points / 100.0)
-        codes, ends = _paired_verdicts(b_correct, c_correct, 0.0, detect_acc)
-        decided = _first_look(codes != INCONCLUSIVE_CODE)
-        unpaired_p = stats.two_proportion_less_pvalue(b_correct.sum(axis=1), c_correct.sum(axis=1), items)
-        accuracy_rows.append(
-            {
-                "drop_points": drop_points,
-                "power": _rate((codes == FAIL_CODE).any(axis=0)),
-                "mean_items": float(np.mean(_samples_at(decided, ends))),
-                "unpaired_power": _rate(unpaired_p < cfg.alpha),
-                "unpaired_items": int(items),
-            }
-        )
-    result["accuracy"] = accuracy_rows
-
-    # --- broken config: 95% -> 1%, interim check after every item ----------------
-    rng = next(streams)
-    check = design.broken_check_items
-    b_correct = rng.random((trials, check)) < acc_model.baseline_accuracy
-    c_correct = rng.random((trials, check)) < acc_model.broken_accuracy
-    fired = _early_stop_items(b_correct.astype(np.int8) - c_correct.astype(np.int8), cfg.accuracy_margin, -1.0, cfg)
-    caught = fired >= 0
-    result["broken_config"] = {
-        "baseline_accuracy": acc_model.baseline_accuracy,
-        "canary_accuracy": acc_model.broken_accuracy,
-        "caught_rate": _rate(caught),
-        "mean_items_to_fail": float(np.mean(fired[caught] + 1)) if caught.any() else None,
-        "max_items_to_fail": int(np.max(fired[caught] + 1)) if caught.any() else None,
-        "within_items": check,
-    }
-
-    result["design"] = {
-        "max_looks": looks,
-        "requests_per_window_per_arm": n,
-        "eval_items": items,
-        "spending": cfg.spending,
-        "latency_model": asdict(lat_model),
-        "accuracy_model": asdict(acc_model),
-    }
-    return result
 
 
 # ---------------------------------------------------------------------------
