@@ -55,6 +55,33 @@ def _early_regression(paired_loss: np.ndarray, margin: float, lower_bound: float
     return int(crossed[0]) + 1 if crossed.size else None
 
 
+def _paired_margin_reason(
+    *,
+    verdict: Verdict,
+    early_at: int | None,
+    enough: bool,
+    lower: float,
+    upper: float,
+    margin: float,
+    n: int,
+    what: str,
+    cfg: GatesConfig,
+) -> str:
+    """The first sentence of a paired margin gate's detail: why it reached ``verdict``."""
+    if early_at is not None:
+        return (
+            f"Clear regression: the always-valid betting test rejected 'difference <= {margin:g}' after "
+            f"{early_at} {what} (alpha {cfg.alpha * cfg.early_stop_alpha_fraction:.4g})."
+        )
+    if verdict is Verdict.PASS:
+        return f"Upper bound {upper:.4f} < margin {margin:g}."
+    if verdict is Verdict.FAIL:
+        return f"Lower bound {lower:.4f} > margin {margin:g}."
+    if not enough:
+        return f"Only {n} {what} (< {cfg.min_eval_items}): cannot pass yet."
+    return f"Interval [{lower:.4f}, {upper:.4f}] straddles margin {margin:g}."
+
+
 def _paired_margin_gate(
     *,
     name: str,
@@ -119,19 +146,9 @@ def _paired_margin_gate(
         if not interim
         else "interim look: only the always-valid clear-regression rule may decide"
     )
-    if early_at is not None:
-        reason = (
-            f"Clear regression: the always-valid betting test rejected 'difference <= {margin:g}' after "
-            f"{early_at} {what} (alpha {cfg.alpha * cfg.early_stop_alpha_fraction:.4g})."
-        )
-    elif verdict is Verdict.PASS:
-        reason = f"Upper bound {upper:.4f} < margin {margin:g}."
-    elif verdict is Verdict.FAIL:
-        reason = f"Lower bound {lower:.4f} > margin {margin:g}."
-    elif not enough:
-        reason = f"Only {n} {what} (< {cfg.min_eval_items}): cannot pass yet."
-    else:
-        reason = f"Interval [{lower:.4f}, {upper:.4f}] straddles margin {margin:g}."
+    reason = _paired_margin_reason(
+        verdict=verdict, early_at=early_at, enough=enough, lower=lower, upper=upper, margin=margin, n=n, what=what, cfg=cfg
+    )
     return GateResult(
         **common,
         verdict=verdict,
@@ -194,6 +211,68 @@ def judge_accuracy(
     )
 
 
+def _absolute_cap_gate(
+    canary: np.ndarray,
+    margin: float,
+    cfg: GatesConfig,
+    *,
+    look: int,
+    boundary_look: int,
+    planned: int,
+    look_note: str,
+    interim: bool,
+) -> GateResult:
+    """Divergence without a twin baseline: the canary's divergence rate against ``margin`` as an absolute cap.
+
+    Wilson bounds at the look's critical values (none at an interim look) plus
+    the always-valid betting rule on the rate itself (only with a positive cap).
+    """
+    n = int(canary.size)
+    k = int(canary.sum())
+    common = dict(
+        name=DIVERGENCE_NAME,
+        metric="divergence_rate",
+        baseline=None,
+        canary=(k / n) if n else None,
+        threshold=margin,
+        n_baseline=0,
+        n_canary=n,
+        look=look,
+    )
+    if n == 0:
+        return GateResult(**common, verdict=Verdict.INCONCLUSIVE, detail=f"No items compared.{look_note}")
+    alpha_fail = cfg.alpha * (1.0 - cfg.early_stop_alpha_fraction)
+    z_upper = math.inf if interim else z(cfg.alpha, boundary_look, planned, cfg)
+    z_lower = math.inf if interim else z(alpha_fail, boundary_look, planned, cfg)
+    lower, _ = stats.wilson_interval(k, n, z_lower)
+    _, upper = stats.wilson_interval(k, n, z_upper)
+    lower, upper = float(lower), float(upper)
+    enough = n >= cfg.min_eval_items and not interim
+    code = int(upper_is_good_verdict(lower, upper, margin, enough, enough))
+    early_at = None
+    if margin > 0:
+        early_at = _early_regression(canary.astype(float), margin, 0.0, cfg)
+    if early_at is not None:
+        code = FAIL_CODE
+    verdict = CODE_TO_VERDICT[code]
+    if early_at is not None:
+        reason = f"Clear divergence: the always-valid betting test rejected 'rate <= {margin:g}' after {early_at} items."
+    elif verdict is Verdict.PASS:
+        reason = f"Upper bound {upper:.4f} < cap {margin:g}."
+    elif verdict is Verdict.FAIL:
+        reason = f"Lower bound {lower:.4f} > cap {margin:g}."
+    else:
+        reason = f"Interval [{lower:.4f}, {upper:.4f}] vs cap {margin:g}: not decided."
+    return GateResult(
+        **common,
+        verdict=verdict,
+        estimate=k / n,
+        interval=interval_or_none(lower, upper),
+        detail=f"{reason} No twin baseline: absolute cap. {k}/{n} diverged; Wilson bounds at "
+        f"z={z_lower:.3f}/{z_upper:.3f} (look {boundary_look}/{planned}).{look_note}",
+    )
+
+
 def judge_divergence(
     canary_vs_baseline_diverged: Sequence[bool],
     twin_vs_baseline_diverged: Sequence[bool] | None,
@@ -237,47 +316,6 @@ def judge_divergence(
             what="items",
         )
 
-    n = int(canary.size)
-    k = int(canary.sum())
-    common = dict(
-        name=DIVERGENCE_NAME,
-        metric="divergence_rate",
-        baseline=None,
-        canary=(k / n) if n else None,
-        threshold=margin,
-        n_baseline=0,
-        n_canary=n,
-        look=look,
-    )
-    if n == 0:
-        return GateResult(**common, verdict=Verdict.INCONCLUSIVE, detail=f"No items compared.{note}")
-    alpha_fail = cfg.alpha * (1.0 - cfg.early_stop_alpha_fraction)
-    z_upper = math.inf if interim else z(cfg.alpha, boundary_look, planned, cfg)
-    z_lower = math.inf if interim else z(alpha_fail, boundary_look, planned, cfg)
-    lower, _ = stats.wilson_interval(k, n, z_lower)
-    _, upper = stats.wilson_interval(k, n, z_upper)
-    lower, upper = float(lower), float(upper)
-    enough = n >= cfg.min_eval_items and not interim
-    code = int(upper_is_good_verdict(lower, upper, margin, enough, enough))
-    early_at = None
-    if margin > 0:
-        early_at = _early_regression(canary.astype(float), margin, 0.0, cfg)
-    if early_at is not None:
-        code = FAIL_CODE
-    verdict = CODE_TO_VERDICT[code]
-    if early_at is not None:
-        reason = f"Clear divergence: the always-valid betting test rejected 'rate <= {margin:g}' after {early_at} items."
-    elif verdict is Verdict.PASS:
-        reason = f"Upper bound {upper:.4f} < cap {margin:g}."
-    elif verdict is Verdict.FAIL:
-        reason = f"Lower bound {lower:.4f} > cap {margin:g}."
-    else:
-        reason = f"Interval [{lower:.4f}, {upper:.4f}] vs cap {margin:g}: not decided."
-    return GateResult(
-        **common,
-        verdict=verdict,
-        estimate=k / n,
-        interval=interval_or_none(lower, upper),
-        detail=f"{reason} No twin baseline: absolute cap. {k}/{n} diverged; Wilson bounds at "
-        f"z={z_lower:.3f}/{z_upper:.3f} (look {boundary_look}/{planned}).{note}",
+    return _absolute_cap_gate(
+        canary, margin, cfg, look=look, boundary_look=boundary_look, planned=planned, look_note=note, interim=interim
     )
