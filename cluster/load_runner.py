@@ -17,15 +17,17 @@ records file: the controller pins it to its own node.
 from __future__ import annotations
 
 import threading
+import time
 from typing import Any
 
 import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from cluster.lease import Lease
-from loadtests.swarm import Swarm, SwarmSpec
+from cluster.ray_cluster import kill_quietly
+from loadtests.swarm import Swarm, SwarmError, SwarmSpec
 
-__all__ = ["LoadRunner", "LoadRunnerServer", "start_load_runner"]
+__all__ = ["LoadRunner", "LoadRunnerHandle", "LoadRunnerServer", "start_load_runner"]
 
 
 class LoadRunnerServer:
@@ -114,3 +116,43 @@ def start_load_runner(
     ray.get(actor.state.remote(), timeout=60)
     return actor
 
+
+
+class LoadRunnerHandle:
+    """The driver's side of a LoadRunner: is the load still running, stop it gracefully, or kill it."""
+
+    def __init__(self, actor: Any) -> None:
+        self.actor = actor
+        self._next_check = 0.0
+
+    def check(self) -> None:
+        """Raise if the load ended before the phase asked it to (polled at most once a second)."""
+        now = time.monotonic()
+        if now < self._next_check:
+            return
+        self._next_check = now + 1.0
+        try:
+            state = ray.get(self.actor.state.remote(), timeout=10)
+        except ray.exceptions.GetTimeoutError:
+            return  # a busy actor is no evidence of a dead load
+        except ray.exceptions.RayError as exc:
+            raise SwarmError(f"the progressive load's actor died: {type(exc).__name__}") from None
+        if not state["running"]:
+            raise SwarmError(f"the progressive load stopped early: {state['error'] or 'the swarm ended'}")
+
+    def kill(self) -> None:
+        try:
+            ray.get(self.actor.kill.remote(), timeout=30)
+        except ray.exceptions.RayError:
+            pass
+        kill_quietly(self.actor)
+
+    def finish(self, timeout_s: float) -> str | None:
+        """Stop gracefully; the swarm's complaint (or None). Killed if it does not end in time."""
+        try:
+            state = ray.get(self.actor.finish.remote(timeout_s), timeout=timeout_s + 30)
+        except ray.exceptions.RayError as exc:
+            kill_quietly(self.actor)
+            return f"the load's actor did not answer: {type(exc).__name__}"
+        kill_quietly(self.actor)
+        return state["error"]

@@ -12,6 +12,7 @@ Speculative decoding (vLLM v1 names):
 
 from __future__ import annotations
 
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 
 from prometheus_client.parser import text_string_to_metric_families
@@ -118,6 +119,25 @@ class MetricsSnapshot:
             requests_running=self.requests_running,
             requests_waiting=self.requests_waiting,
         )
+
+
+def spec_decode_delta(
+    before: Mapping[str, MetricsSnapshot] | None, after: Mapping[str, MetricsSnapshot] | None, replicas: Iterable[str]
+) -> SpecDecodeStats | None:
+    """The speculative-decoding counters `replicas` accumulated between two scrapes (replica name ->
+    snapshot), summed; None when either scrape is missing, a replica is missing from one, or one
+    restarted in between: the delta is then unknown, never a partial sum that reads as low acceptance."""
+    if before is None or after is None:
+        return None
+    total = SpecDecodeStats()
+    for name in replicas:
+        if name not in before or name not in after:
+            return None
+        try:
+            total = total + after[name].delta(before[name]).spec_decode
+        except ValueError:  # a counter went down: the replica restarted in between
+            return None
+    return total
 
 
 def parse_metrics(text: str) -> MetricsSnapshot:

@@ -635,3 +635,48 @@ __all__ = [
     "RouterState",
     "pick_replica",
 ]
+
+
+class RouterClient:
+    """The driver's side of one Router actor: its URL, weights, arms and counts (each call bounded)."""
+
+    def __init__(self, actor: Any, url: str) -> None:
+        self.actor = actor
+        self.url = url
+
+    @property
+    def id(self) -> str:
+        """The actor's id: a replaced router (whose counts restarted at 0) has another."""
+        return self.actor._actor_id.hex()
+
+    def set_canary_weight(self, weight: float) -> None:
+        """Applied at once: the canary gets `weight` percent, the baseline the rest."""
+        ray.get(self.actor.set_weights.remote({BASELINE: 100.0 - weight, CANARY: weight}))
+
+    def set_arms(self, urls: Mapping[str, Sequence[str]]) -> None:
+        ray.get(self.actor.set_arms.remote(dict(urls)))
+
+    def state(self, timeout_s: float = 10) -> RouterState:
+        return ray.get(self.actor.get_state.remote(), timeout=timeout_s)
+
+    def request_counts(self, with_rejected: bool = True) -> dict[str, int]:
+        """Requests the router received per arm (routed, + rejected when asked); {} when it does not answer."""
+        try:
+            state = self.state()
+        except Exception:
+            return {}
+        return {
+            arm: int(c["routed"]) + (int(c["rejected"]) if with_rejected else 0)
+            for arm, c in state["arm_counts"].items()
+        }
+
+    def stop(self) -> None:
+        """Stop serving and end the actor (quietly: it may be gone already)."""
+        try:
+            ray.get(self.actor.stop.remote(), timeout=10)
+        except Exception:
+            pass
+        try:
+            ray.kill(self.actor)
+        except Exception:
+            pass

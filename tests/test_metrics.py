@@ -1,6 +1,6 @@
 import pytest
 
-from cluster.metrics import MetricsSnapshot, SpecDecodeStats, parse_metrics
+from cluster.metrics import MetricsSnapshot, SpecDecodeStats, parse_metrics, spec_decode_delta
 
 # Lines as vLLM 0.32 (CPU build) prints them, k=3, trimmed.
 PAGE = """\
@@ -77,3 +77,18 @@ def test_stats_add_over_replicas():
     total = a + b
     assert total.drafts == 20 and total.accepted_tokens == 45
     assert total.accepted_per_position == (18, 15, 12)
+
+
+def test_an_arms_delta_is_unknown_when_a_replica_is_missing_or_restarted_never_partial():
+    def snap(drafts: float, accepted: float) -> MetricsSnapshot:
+        return MetricsSnapshot(spec_decode=SpecDecodeStats(drafts, 3 * drafts, accepted, (accepted,)))
+
+    before = {"canary-0": snap(10, 20), "canary-1": snap(5, 5)}
+    after = {"canary-0": snap(20, 40), "canary-1": snap(15, 25)}
+    both = spec_decode_delta(before, after, ["canary-0", "canary-1"])
+    assert (both.drafts, both.accepted_tokens) == (20, 40)
+    # one replica gone from the later scrape: unknown, not the other replica's (lower) numbers
+    assert spec_decode_delta(before, {"canary-0": after["canary-0"]}, ["canary-0", "canary-1"]) is None
+    # restarted in between (its counters went down): unknown
+    assert spec_decode_delta(before, {**after, "canary-1": snap(1, 1)}, ["canary-0", "canary-1"]) is None
+    assert spec_decode_delta(None, after, ["canary-0"]) is None
