@@ -15,7 +15,8 @@ from rollout.judge.acceptance import judge_acceptance
 from rollout.judge.accuracy import judge_accuracy, judge_divergence
 from rollout.judge.config import GatesConfig
 from rollout.judge.latency import LatencySamples, judge_latency
-from rollout.judge.verdicts import GATE_NAMES, Decision, GateResult, Verdict, decide, is_final
+from rollout.judge.names import GATE_NAMES
+from rollout.judge.verdicts import Decision, GateResult, Verdict, decide, is_final
 
 NO_HARM_GATES = {"ttft_p95_guard", "e2e_p95_guard", "error_rate_guard", "accuracy_noninferiority", "output_divergence"}
 

@@ -10,7 +10,8 @@ import math
 
 from rollout.judge.config import GatesConfig
 from rollout.judge.looks import finite_or_none
-from rollout.judge.verdicts import ACCEPTANCE_NAME, GateResult, Verdict
+from rollout.judge.names import ACCEPTANCE_NAME
+from rollout.judge.verdicts import GateResult, Verdict
 
 __all__ = ["judge_acceptance"]
 

@@ -23,7 +23,8 @@ from rollout.judge.looks import (
     upper_is_good_verdict,
     z,
 )
-from rollout.judge.verdicts import ACCURACY_NAME, DIVERGENCE_NAME, GateResult, Verdict
+from rollout.judge.names import ACCURACY_NAME, DIVERGENCE_NAME
+from rollout.judge.verdicts import GateResult, Verdict
 
 __all__ = ["judge_accuracy", "judge_divergence", "early_stop_log_threshold"]
 

@@ -76,14 +76,8 @@ from rollout.judge.accuracy import early_stop_log_threshold, judge_accuracy
 from rollout.judge.config import GatesConfig
 from rollout.judge.latency import LatencySamples, cumulative_bounds, judge_latency
 from rollout.judge.looks import FAIL_CODE, INCONCLUSIVE_CODE, PASS_CODE, holm_levels, upper_is_good_verdict
-from rollout.judge.verdicts import (
-    ACCURACY_NAME,
-    DIVERGENCE_NAME,
-    GUARDRAIL_NAMES,
-    OBJECTIVE_NAME,
-    Verdict,
-    is_enabled,
-)
+from rollout.judge.names import ACCURACY_NAME, DIVERGENCE_NAME, GUARDRAIL_NAMES, OBJECTIVE_NAME
+from rollout.judge.verdicts import Verdict, is_enabled
 
 __all__ = [
     "LatencyModel",

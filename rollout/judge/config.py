@@ -11,7 +11,7 @@ import pydantic
 from pydantic import BaseModel, ConfigDict, Field
 
 from rollout.judge import stats
-from rollout.judge.verdicts import GATE_NAMES
+from rollout.judge.names import GATE_NAMES
 
 __all__ = ["GatesConfig", "GuardConfig"]
 

@@ -25,7 +25,8 @@ from rollout.judge.looks import (
     upper_is_good_verdict,
     z,
 )
-from rollout.judge.verdicts import GUARDRAIL_NAMES, OBJECTIVE_NAME, GateResult, Verdict, is_enabled
+from rollout.judge.names import GUARDRAIL_NAMES, OBJECTIVE_NAME
+from rollout.judge.verdicts import GateResult, Verdict, is_enabled
 
 __all__ = ["LatencySamples", "judge_latency", "cumulative_bounds"]
 

@@ -1,4 +1,4 @@
-"""Verdicts and the decision: the gate names, one gate's `GateResult`, and how results combine.
+"""Verdicts and the decision: one gate's `GateResult`, and how results combine.
 
 `decide` and `is_final` turn the gates' verdicts into PROMOTE / ROLLBACK /
 INCONCLUSIVE and say when the sequential procedure may stop; `is_enabled` says
@@ -9,21 +9,13 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from enum import Enum
-from typing import TYPE_CHECKING
-
 import pydantic
 from pydantic import Field
 
-if TYPE_CHECKING:  # judge.config imports the gate names from here
-    from rollout.judge.config import GatesConfig
+from rollout.judge.config import GatesConfig
+from rollout.judge.names import ACCEPTANCE_NAME
 
 __all__ = [
-    "OBJECTIVE_NAME",
-    "GUARDRAIL_NAMES",
-    "ACCURACY_NAME",
-    "DIVERGENCE_NAME",
-    "ACCEPTANCE_NAME",
-    "GATE_NAMES",
     "Verdict",
     "Decision",
     "GateResult",
@@ -32,12 +24,6 @@ __all__ = [
     "is_enabled",
 ]
 
-OBJECTIVE_NAME = "tpot_p50_improvement"
-GUARDRAIL_NAMES = ("ttft_p95_guard", "e2e_p95_guard", "error_rate_guard")
-ACCURACY_NAME = "accuracy_noninferiority"
-DIVERGENCE_NAME = "output_divergence"
-ACCEPTANCE_NAME = "acceptance_length_floor"
-GATE_NAMES = (OBJECTIVE_NAME, *GUARDRAIL_NAMES, ACCURACY_NAME, DIVERGENCE_NAME, ACCEPTANCE_NAME)
 
 
 class Verdict(str, Enum):
