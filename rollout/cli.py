@@ -10,6 +10,7 @@ import argparse
 import json
 import signal
 import sys
+import time
 from pathlib import Path
 
 EXIT_USAGE = 2
@@ -199,9 +200,7 @@ def _arms_of(config_json: str | None) -> str:
 
 
 def _when(epoch: float | None) -> str:
-    import time as _time
-
-    return _time.strftime("%Y-%m-%d %H:%M", _time.localtime(epoch)) if epoch else "-"
+    return time.strftime("%Y-%m-%d %H:%M", time.localtime(epoch)) if epoch else "-"
 
 
 def _cmd_history(args: argparse.Namespace) -> int:
@@ -234,72 +233,12 @@ def _send_command(args: argparse.Namespace) -> int:
     return 0
 
 
-def run_status(store, run_id: str) -> dict | None:
-    """The status document of a run (what `status --json` prints), or None if unknown."""
-    from rollout.store import controller_alive
-
-    run = store.run(run_id)
-    if run is None:
-        return None
-    gates = []
-    latest: dict[str, dict] = {}
-    for entry in store.all_phase_results(run_id):
-        result = entry["result"]
-        if isinstance(result, dict):
-            found = result.get("gates")
-        elif isinstance(result, list):
-            found = result
-        else:
-            found = None
-        if not isinstance(found, list):
-            continue
-        for gate in found:
-            if not isinstance(gate, dict) or "name" not in gate or "verdict" not in gate:
-                continue
-            item = {
-                "phase": entry["phase"],
-                "look": entry["look"],
-                "name": gate["name"],
-                "verdict": gate["verdict"],
-                "canary": gate.get("canary"),
-                "threshold": gate.get("threshold"),
-                "detail": gate.get("detail", ""),
-            }
-            if isinstance(result, dict) and "step" in result:
-                item["step"] = result["step"]
-            gates.append(item)
-            latest[f"{entry['phase']}:{gate['name']}"] = item
-    events = store.events(run_id)
-    progressive = [e for e in events if e["phase"] == "progressive" and e["event"] in ("pause", "resume", "pause_timeout", "abort", "done")]
-    paused = bool(progressive) and progressive[-1]["event"] == "pause" and run["status"] == "running"
-    pending = [c["command"] for c in store.commands(run_id) if c["consumed"] is None]
-    return {
-        "run_id": run["run_id"],
-        "name": run["name"],
-        "model": run["model"],
-        "status": run["status"],
-        "phase": run["phase"],
-        "step": run.get("step"),
-        "canary_weight": run.get("canary_weight"),
-        "paused": paused,
-        "pending_commands": pending,
-        "decision": run["decision"] if run["status"] != "running" else None,
-        "exit_code": run["exit_code"],
-        "reason": run["reason"],
-        "created_at": run["created_at"],
-        "updated_at": run["updated_at"],
-        "gates": gates,
-        "latest_gates": list(latest.values()),
-        "last_event": events[-1] if events else None,
-        "controller": run.get("controller"),
-        "controller_alive": controller_alive(run.get("controller")) if run["status"] == "running" else None,
-    }
-
-
 def _cmd_status(args: argparse.Namespace) -> int:
     store = _open_store(args.runs_dir, "status")
     if store is None:
         return EXIT_USAGE
+    from rollout.status import run_status
+
     doc = run_status(store, args.run_id)
     if doc is None:
         print(f"mtp-canary status: no run {args.run_id!r} in {args.runs_dir}", file=sys.stderr)

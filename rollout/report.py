@@ -5,63 +5,10 @@ from __future__ import annotations
 import json
 import time
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-if TYPE_CHECKING:
-    from rollout.controller import RunResult
-
-
-def decision_document(result: "RunResult") -> dict[str, Any]:
-    """decision.json: the verdict, every gate's numbers, and what was compared."""
-    return {
-        "run_id": result.run_id,
-        "name": result.config.name,
-        "decision": result.decision.value if result.decision and result.error is None else None,
-        "exit_code": result.exit_code,
-        "reason": result.error or result.reason,
-        "error": result.error,
-        "gates": [
-            {
-                "name": g.name,
-                "metric": g.metric,
-                "baseline": g.baseline,
-                "canary": g.canary,
-                "threshold": g.threshold,
-                "verdict": g.verdict.value,
-                "estimate": g.estimate,
-                "interval": list(g.interval) if g.interval else None,
-                "n_baseline": g.n_baseline,
-                "n_canary": g.n_canary,
-                "look": g.look,
-                "p_value": g.p_value,
-                "detail": g.detail,
-            }
-            for g in result.gates
-        ],
-        "spec_decode": {
-            arm: {
-                "acceptance_rate": sd.get("acceptance_rate"),
-                "mean_acceptance_length": sd.get("mean_acceptance_length"),
-                "per_position": sd.get("per_position"),
-                "drafts": sd.get("drafts"),
-                "draft_tokens": sd.get("draft_tokens"),
-                "accepted_tokens": sd.get("accepted_tokens"),
-                "expected_length_by_k": sd.get("expected_length_by_k"),
-            }
-            for arm, sd in result.spec_decode.items()
-        },
-        "arms": result.arms,
-        "prepare": result.prepare,
-        "preflight": result.preflight,
-        "accuracy": result.accuracy,
-        "experiment": result.experiment,
-        "progressive": result.progressive,
-        "engine_warnings": result.engine_warnings,
-        "gates_config": result.config.gates.model_dump(mode="json"),
-        "timings": {k: round(v, 3) for k, v in result.timings.items()},
-        "timeline": result.timeline,
-        "started_at": result.started_at,
-    }
+from rollout.load_sweep import sweep_table
+from rollout.result import RunResult, decision_document
 
 
 def _num(value: Any, digits: int = 3) -> str:
@@ -73,6 +20,14 @@ def _num(value: Any, digits: int = 3) -> str:
 
 
 def markdown_report(doc: dict[str, Any]) -> str:
+    """report.md: decision.json for people, section by section."""
+    lines: list[str] = []
+    for section in (_arms, _gates, _spec_decode, _latency, _sweep, _progressive, _accuracy, _engine_warnings, _timeline):
+        lines += section(doc)
+    return "\n".join(lines) + "\n"
+
+
+def _arms(doc: dict[str, Any]) -> list[str]:
     lines = [
         f"# mtp-canary run {doc['run_id']}",
         "",
@@ -97,7 +52,11 @@ def markdown_report(doc: dict[str, Any]) -> str:
         lines += ["", f"**Arms share CPU cores**: {prepare['core_sharing']}; latencies include their contention."]
     elif any((prepare.get("cpu_cores") or {}).values()):
         lines += ["", "CPU cores per replica: " + ", ".join(f"{n} -> {c}" for n, c in prepare["cpu_cores"].items())]
-    lines += ["", "## Gates", "", "| gate | metric | baseline | canary | estimate | interval | threshold | verdict |"]
+    return lines
+
+
+def _gates(doc: dict[str, Any]) -> list[str]:
+    lines = ["", "## Gates", "", "| gate | metric | baseline | canary | estimate | interval | threshold | verdict |"]
     lines.append("|---|---|---|---|---|---|---|---|")
     for g in doc["gates"]:
         interval = f"[{_num(g['interval'][0])}, {_num(g['interval'][1])}]" if g["interval"] else "n/a"
@@ -108,75 +67,108 @@ def markdown_report(doc: dict[str, Any]) -> str:
     details = [f"- `{g['name']}`: {g['detail']}" for g in doc["gates"] if g["detail"]]
     if details:
         lines += [""] + details
-    if doc["spec_decode"]:
-        lines += ["", "## Speculative decoding (server /metrics deltas over the experiment)", ""]
-        lines += ["| arm | acceptance rate | mean acceptance length | per position | drafts |", "|---|---|---|---|---|"]
-        for arm, sd in doc["spec_decode"].items():
-            per_pos = ", ".join(f"{p:.3f}" for p in sd["per_position"]) if sd["per_position"] else "n/a"
-            lines.append(
-                f"| {arm} | {_num(sd['acceptance_rate'])} | {_num(sd['mean_acceptance_length'])} | {per_pos} | {_num(sd['drafts'], 0)} |"
-            )
-        for arm, sd in doc["spec_decode"].items():
-            if sd.get("expected_length_by_k"):
-                by_k = ", ".join(f"k={k}: {_num(v)}" for k, v in sd["expected_length_by_k"].items())
-                lines.append(f"\nExpected acceptance length of {arm} had it drafted fewer tokens: {by_k}")
-    exp = doc.get("experiment") or {}
-    if exp.get("latency_ms"):
-        lines += ["", "## Latency (client side, ms, per request)", ""]
-        lines += ["| arm | requests | TTFT p50 | TTFT p95 | TPOT p50 | TPOT p95 | E2E p50 | E2E p95 | tokens/chunk |"]
-        lines.append("|---|---|---|---|---|---|---|---|---|")
-        for arm, lat in exp["latency_ms"].items():
-            lines.append(
-                f"| {arm} | {exp['requests'].get(arm)} | {_num(lat['ttft_p50'], 1)} | {_num(lat['ttft_p95'], 1)} "
-                f"| {_num(lat['tpot_p50'], 2)} | {_num(lat['tpot_p95'], 2)} | {_num(lat['e2e_p50'], 1)} | {_num(lat['e2e_p95'], 1)} "
-                f"| {_num(exp['client_tokens_per_chunk'].get(arm), 2)} |"
-            )
-        lines.append(f"\nGenerator send lag p99: {_num(exp.get('generator_send_lag_p99_ms'), 1)} ms")
-        if exp.get("looks"):
-            lines.append(
-                f"\nOne continuous load: {len(exp['looks'])} of {exp.get('planned_looks')} planned looks "
-                f"(every {exp.get('requests_per_look')} requests per arm; information {_num(exp.get('information'))}), "
-                f"stopped by {exp.get('stopped_by')}; duty cycle {_num(exp.get('duty_cycle'))}; "
-                f"router received {exp.get('requests_received')} requests, {exp.get('records_stored')} records stored."
-            )
-        if exp.get("generator_warnings"):
-            lines += ["", "**The load generator limited the load** (latencies include client-side delay):", ""]
-            lines += [f"- {w}" for w in exp["generator_warnings"]]
-    if exp.get("sweep"):
-        from rollout.load_sweep import sweep_table
+    return lines
 
-        lines += ["", "## Speedup vs load (sweep, no gate)", ""]
-        lines += sweep_table(exp["sweep"], ("baseline", "canary"))
-        lines.append("\nTPOT from usage tokens per request; tokens/chunk is the client's view of the acceptance length.")
+
+def _spec_decode(doc: dict[str, Any]) -> list[str]:
+    if not doc["spec_decode"]:
+        return []
+    lines = ["", "## Speculative decoding (server /metrics deltas over the experiment)", ""]
+    lines += ["| arm | acceptance rate | mean acceptance length | per position | drafts |", "|---|---|---|---|---|"]
+    for arm, sd in doc["spec_decode"].items():
+        per_pos = ", ".join(f"{p:.3f}" for p in sd["per_position"]) if sd["per_position"] else "n/a"
+        lines.append(
+            f"| {arm} | {_num(sd['acceptance_rate'])} | {_num(sd['mean_acceptance_length'])} | {per_pos} | {_num(sd['drafts'], 0)} |"
+        )
+    for arm, sd in doc["spec_decode"].items():
+        if sd.get("expected_length_by_k"):
+            by_k = ", ".join(f"k={k}: {_num(v)}" for k, v in sd["expected_length_by_k"].items())
+            lines.append(f"\nExpected acceptance length of {arm} had it drafted fewer tokens: {by_k}")
+    return lines
+
+
+def _latency(doc: dict[str, Any]) -> list[str]:
+    exp = doc.get("experiment") or {}
+    if not exp.get("latency_ms"):
+        return []
+    lines = ["", "## Latency (client side, ms, per request)", ""]
+    lines += ["| arm | requests | TTFT p50 | TTFT p95 | TPOT p50 | TPOT p95 | E2E p50 | E2E p95 | tokens/chunk |"]
+    lines.append("|---|---|---|---|---|---|---|---|---|")
+    for arm, lat in exp["latency_ms"].items():
+        lines.append(
+            f"| {arm} | {exp['requests'].get(arm)} | {_num(lat['ttft_p50'], 1)} | {_num(lat['ttft_p95'], 1)} "
+            f"| {_num(lat['tpot_p50'], 2)} | {_num(lat['tpot_p95'], 2)} | {_num(lat['e2e_p50'], 1)} | {_num(lat['e2e_p95'], 1)} "
+            f"| {_num(exp['client_tokens_per_chunk'].get(arm), 2)} |"
+        )
+    lines.append(f"\nGenerator send lag p99: {_num(exp.get('generator_send_lag_p99_ms'), 1)} ms")
+    if exp.get("looks"):
+        lines.append(
+            f"\nOne continuous load: {len(exp['looks'])} of {exp.get('planned_looks')} planned looks "
+            f"(every {exp.get('requests_per_look')} requests per arm; information {_num(exp.get('information'))}), "
+            f"stopped by {exp.get('stopped_by')}; duty cycle {_num(exp.get('duty_cycle'))}; "
+            f"router received {exp.get('requests_received')} requests, {exp.get('records_stored')} records stored."
+        )
+    if exp.get("generator_warnings"):
+        lines += ["", "**The load generator limited the load** (latencies include client-side delay):", ""]
+        lines += [f"- {w}" for w in exp["generator_warnings"]]
+    return lines
+
+
+def _sweep(doc: dict[str, Any]) -> list[str]:
+    exp = doc.get("experiment") or {}
+    if not exp.get("sweep"):
+        return []
+    lines = ["", "## Speedup vs load (sweep, no gate)", ""]
+    lines += sweep_table(exp["sweep"], ("baseline", "canary"))
+    lines.append("\nTPOT from usage tokens per request; tokens/chunk is the client's view of the acceptance length.")
+    return lines
+
+
+def _progressive(doc: dict[str, Any]) -> list[str]:
     prog = doc.get("progressive") or {}
-    if prog.get("observed_split"):
-        lines += ["", "## Progressive steps", "", "| step | canary weight | observed canary share (router) | requests routed |",
-                  "|---|---|---|---|"]
-        for s in prog["observed_split"]:
-            share = s.get("observed_canary_share")
-            routed = sum((s.get("routed") or {}).values())
-            lines.append(f"| {s['step'] + 1} | {s['canary_weight']:g}% | {'n/a' if share is None else f'{share * 100:.1f}%'} | {routed} |")
-        if prog.get("requests_received") is not None:
-            lines.append(f"\nRequests the router received in the phase: {prog['requests_received']}; "
-                         f"request records stored: {prog.get('records_stored')}.")
+    if not prog.get("observed_split"):
+        return []
+    lines = ["", "## Progressive steps", "", "| step | canary weight | observed canary share (router) | requests routed |",
+             "|---|---|---|---|"]
+    for s in prog["observed_split"]:
+        share = s.get("observed_canary_share")
+        routed = sum((s.get("routed") or {}).values())
+        lines.append(f"| {s['step'] + 1} | {s['canary_weight']:g}% | {'n/a' if share is None else f'{share * 100:.1f}%'} | {routed} |")
+    if prog.get("requests_received") is not None:
+        lines.append(f"\nRequests the router received in the phase: {prog['requests_received']}; "
+                     f"request records stored: {prog.get('records_stored')}.")
+    return lines
+
+
+def _accuracy(doc: dict[str, Any]) -> list[str]:
     acc = doc.get("accuracy") or {}
-    if acc:
-        lines += ["", "## Accuracy", "", f"{acc['items']} of {acc['planned_items']} {acc['kind']} items, greedy, identical for every arm."]
-        lines += [""] + [f"- {arm}: accuracy {_num(v)}" for arm, v in acc["accuracy"].items()]
-        lines += [f"- {arm} vs baseline: outputs differ on {_num(v)} of items" for arm, v in acc["divergence_vs_baseline"].items()]
+    if not acc:
+        return []
+    lines = ["", "## Accuracy", "", f"{acc['items']} of {acc['planned_items']} {acc['kind']} items, greedy, identical for every arm."]
+    lines += [""] + [f"- {arm}: accuracy {_num(v)}" for arm, v in acc["accuracy"].items()]
+    lines += [f"- {arm} vs baseline: outputs differ on {_num(v)} of items" for arm, v in acc["divergence_vs_baseline"].items()]
+    return lines
+
+
+def _engine_warnings(doc: dict[str, Any]) -> list[str]:
     warnings = {k: v for k, v in (doc.get("preflight") or {}).get("notable_warnings", {}).items() if v}
-    if warnings:
-        lines += ["", "## Engine warnings (from the replica logs)", ""]
-        for replica, msgs in warnings.items():
-            lines += [f"- {replica}: {m}" for m in msgs]
-    lines += ["", "## Timeline", "", "| time | phase | canary weight | event | reason |", "|---|---|---|---|---|"]
+    if not warnings:
+        return []
+    lines = ["", "## Engine warnings (from the replica logs)", ""]
+    for replica, msgs in warnings.items():
+        lines += [f"- {replica}: {m}" for m in msgs]
+    return lines
+
+
+def _timeline(doc: dict[str, Any]) -> list[str]:
+    lines = ["", "## Timeline", "", "| time | phase | canary weight | event | reason |", "|---|---|---|---|---|"]
     for e in doc["timeline"]:
         when = time.strftime("%H:%M:%S", time.localtime(e["time"]))
         lines.append(f"| {when} | {e['phase']} | {_num(e['canary_weight'], 0)} | {e['event']} | {e['reason']} |")
-    return "\n".join(lines) + "\n"
+    return lines
 
 
-def write_reports(result: "RunResult") -> dict[str, Path]:
+def write_reports(result: RunResult) -> dict[str, Path]:
     run_dir = Path(result.run_dir)
     run_dir.mkdir(parents=True, exist_ok=True)
     doc = decision_document(result)

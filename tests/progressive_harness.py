@@ -15,9 +15,11 @@ import psutil
 import ray
 
 from cluster.metrics import MetricsSnapshot
+from cluster.router import RouterClient
 from loadtests.records import read_records
 from rollout.config import ProgressiveConfig
-from rollout.progressive import PHASE, ProgressiveContext, ProgressiveOutcome
+from rollout.phases.progressive_context import ProgressiveContext, ProgressiveOutcome
+from rollout.phases.progressive_steps import PHASE
 from rollout.store import RunStore
 
 
@@ -68,8 +70,7 @@ class Harness:
             run_id=self.run_id,
             run_dir=self.runs_dir / self.run_id,
             config=config,
-            router=self.router,
-            router_url=self.router_url,
+            router=RouterClient(self.router, self.router_url),
             model=model,
             traffic=traffic or {"dataset": "synthetic", "input_tokens": "8", "max_tokens": 16, "endpoint": "completions", "seed": 1},
             set_canary_weight=self.set_canary_weight,

@@ -19,21 +19,14 @@ import pytest
 import ray
 
 from benchmarks.stream_target import TargetProcess
-from cluster.router import Router
+from cluster.router import Router, RouterClient
 from loadtests.options import TrafficOptions
 from loadtests.records import RequestRecord
 from loadtests.swarm import SwarmSpec, free_port
 from rollout.config import ExperimentConfig
-from rollout.experiment import (
-    LOAD_STOP_TIMEOUT_S,
-    ExperimentContext,
-    ExperimentPhase,
-    LookPlan,
-    duty_cycle,
-    router_request_counts,
-)
 from rollout.judge.config import GatesConfig
 from rollout.judge.verdicts import Verdict
+from rollout.phases.experiment_loop import LOAD_STOP_TIMEOUT_S, ExperimentContext, ExperimentPhase, LookPlan, duty_cycle
 from rollout.store import RunStore
 
 
@@ -116,7 +109,7 @@ def run_phase(tmp_path, router, router_url, exp: ExperimentConfig, gates: GatesC
     phase = ExperimentPhase(
         ExperimentContext(
             run_id="exp", config=exp, gates=gates, store=store, swarm_spec=spec, placement="local",
-            scrape=lambda: {}, replica_arms={}, router=router, speculative_canary=False,
+            scrape=lambda: {}, replica_arms={}, router=RouterClient(router, router_url), speculative_canary=False,
             say=lines.append, event=lambda event, reason: None, aborted=lambda: False,
         )
     )
@@ -141,9 +134,9 @@ def test_a_big_effect_stops_early_and_every_request_has_one_record(local_ray, tm
     with TargetProcess(ttft_ms=20, tpot_ms=20, tpot_jitter=0.3, seed=1) as baseline, \
             TargetProcess(ttft_ms=20, tpot_ms=8, tpot_jitter=0.3, seed=2) as canary:
         with routed(baseline.url, canary.url) as (router, url):
-            before = sum(router_request_counts(router).values())
+            before = sum(RouterClient(router, url).request_counts().values())
             outcome, store, lines = run_phase(tmp_path, router, url, exp, GATES)
-            received = sum(router_request_counts(router).values()) - before
+            received = sum(RouterClient(router, url).request_counts().values()) - before
     summary = outcome.summary
     assert verdicts(outcome)["tpot_p50_improvement"] == Verdict.PASS
     # the objective is shown at the first look (ratio 0.4: upper bound ~0.55 at look 1's strict
@@ -237,16 +230,17 @@ def test_a_capped_experiment_is_inconclusive_and_its_reason_has_the_counts(tmp_p
     from rollout.config import load_config
     from rollout.controller import Controller
     from rollout.judge.verdicts import Decision, GateResult
+    from rollout.phases.decide import decide_now
 
-    controller = Controller(load_config("configs/local-cpu.yaml"), runs_dir=tmp_path, run_id="capped")
-    controller._experiment_capped = "experiment.max_duration_s (240 s) reached after 2 look(s): baseline 61, canary 60"
-    controller.result.gates = [
+    ctx = Controller(load_config("configs/local-cpu.yaml"), runs_dir=tmp_path, run_id="capped").ctx
+    ctx.experiment_capped = "experiment.max_duration_s (240 s) reached after 2 look(s): baseline 61, canary 60"
+    ctx.result.gates = [
         GateResult(name="tpot_p50_improvement", metric="tpot_p50_ratio", baseline=1.0, canary=0.5, threshold=0.9,
                    verdict=Verdict.PASS),
         GateResult(name="error_rate_guard", metric="error_rate_diff", baseline=0.0, canary=0.0, threshold=0.05,
                    verdict=Verdict.INCONCLUSIVE),
     ]
-    controller._decide()
-    assert controller.result.decision == Decision.INCONCLUSIVE
-    assert controller.result.reason.startswith("experiment.max_duration_s (240 s) reached")
-    assert "baseline 61, canary 60" in controller.result.reason and "error_rate_guard" in controller.result.reason
+    decide_now(ctx)
+    assert ctx.result.decision == Decision.INCONCLUSIVE
+    assert ctx.result.reason.startswith("experiment.max_duration_s (240 s) reached")
+    assert "baseline 61, canary 60" in ctx.result.reason and "error_rate_guard" in ctx.result.reason

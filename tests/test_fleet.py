@@ -4,6 +4,7 @@ A vLLM start is the slowest thing in the suite (~45 s here, minutes on a slow 2-
 machine), so the module starts one fleet (baseline k=1, canary k=3 on the tiny checkpoint)
 and its tests use it in this order, the destructive ones last:
 1. a parallel start, golden outputs, rollout.evals exact and lossless, speculation metrics;
+   then the accuracy phase with an abort command between its batches (rolled back, no load);
 2. the progressive phase over it: steps 10 -> 50 -> 100 with a pause answered by
    `mtp-canary promote` from another process, then a pause nobody answers;
 3. the canary's vLLM server SIGKILLed mid-step: rolled back within a window;
@@ -25,15 +26,22 @@ import psutil
 import pytest
 import ray
 import requests
+import yaml
 
 from cluster.engine_spec import CpuLimits, EngineSpec
 from cluster.fleet import ArmSpec, Fleet, FleetStartError
-from cluster.router import Router
-from rollout.config import ProgressiveConfig, RolloutStep
+from cluster.arms import BASELINE, CANARY
+from cluster.router import Router, RouterClient
+from rollout.config import ProgressiveConfig, RolloutStep, parse_config
 from rollout.evals import EvalSpec, evaluate_batch, load_items, outputs_differ
 from rollout.judge.config import GuardConfig
 from rollout.judge.verdicts import Decision
-from rollout.progressive import PHASE, run_progressive
+from rollout.phases.accuracy import Accuracy
+from rollout.phases.experiment import Experiment
+from rollout.phases.progressive_steps import PHASE, run_progressive
+from rollout.result import RunResult
+from rollout.resume import ResumePoint
+from rollout.run_context import RunContext
 from rollout.store import RunStore
 from tests.conftest import REPO, wait_gone, wait_no_server_processes
 from tests.progressive_harness import Harness, assert_split_within_a_block, locust_processes
@@ -185,6 +193,46 @@ def test_baseline_and_canary_serve_the_golden_outputs_and_the_canary_speculates(
     warnings = fleet.engine_warnings()
     assert any("same MTP layer" in w for w in warnings["canary-0"])
     assert not any("same MTP layer" in w for w in warnings["baseline-0"])
+
+
+def test_an_abort_command_during_accuracy_rolls_back_before_any_load(fleet, router, tiny_model_dir, tiny_dtype, tmp_path):
+    """The accuracy phase over the real replicas: an abort queued while the first of four batches is
+    judged is taken right after it (between batches), and the experiment would not run."""
+    actor, url = router
+    ctx = phase_context(tmp_path, fleet, actor, url, tiny_model_dir, tiny_dtype, "abort", eval_limit=128)
+
+    def say_and_abort_after_the_first_batch(line: str) -> None:
+        print(line, flush=True)
+        if "accuracy: 32/128 items" in line:
+            ctx.store.add_command(ctx.run_id, "abort")  # what `mtp-canary abort RUN_ID` writes
+
+    ctx.progress = say_and_abort_after_the_first_batch
+    assert Accuracy().enabled(ctx)
+    Accuracy().run(ctx)
+    assert ctx.result.decision == Decision.ROLLBACK and ctx.result.reason == "aborted by command during accuracy"
+    assert ctx.result.accuracy.items == 32 and ctx.result.accuracy.planned_items == 128
+    assert ("accuracy", "abort") in [(e["phase"], e["event"]) for e in ctx.store.events(ctx.run_id)]
+    assert not Experiment().enabled(ctx)  # no load for an aborted run
+    assert ctx.store.count_eval_outcomes(ctx.run_id) == 2 * 32
+
+
+def phase_context(tmp_path, fleet, router_actor, router_url, model_dir, dtype, run_id: str, eval_limit: int) -> RunContext:
+    """A run's context over the module's fleet and router (what the controller builds after its fleet phase)."""
+    data = yaml.safe_load((REPO / "configs" / "local-cpu.yaml").read_text())
+    data["accuracy"].update(limit=eval_limit, batch_size=32)
+    cfg = parse_config(data)
+    store = RunStore(tmp_path / "runs" / "history.db")
+    store.create_run(run_id, cfg.name, "tiny", cfg.model_dump(mode="json"))
+    ctx = RunContext(
+        cfg=cfg, run_id=run_id, run_dir=tmp_path / "runs" / run_id, store=store,
+        result=RunResult(run_id=run_id, run_dir=tmp_path / "runs" / run_id, config=cfg), progress=print,
+        cache_dir=tmp_path, point=ResumePoint.fresh(), namespace="test",
+        engines={BASELINE: engine(model_dir, 1, dtype), CANARY: engine(model_dir, 3, dtype)},
+        fleet=fleet, router=RouterClient(router_actor, router_url),
+    )
+    ctx.router.set_arms(fleet.urls())
+    ctx.router.set_canary_weight(0.0)
+    return ctx
 
 
 # --------------------------------------------------------------------------------------

@@ -24,7 +24,7 @@ from loadtests.records import read_records
 from rollout.config import ProgressiveConfig, RolloutStep
 from rollout.judge.config import GuardConfig
 from rollout.judge.verdicts import Decision
-from rollout.progressive import PHASE, run_progressive
+from rollout.phases.progressive_steps import PHASE, run_progressive
 from rollout.store import RunStore
 from tests.conftest import REPO, wait_gone
 from tests.progressive_harness import Harness, assert_split_follows, locust_processes

@@ -1,4 +1,4 @@
-"""The experiment phase: one continuous load, looks by evidence, the sequential latency judgement.
+"""The experiment phase's loop: one continuous load, looks by evidence, the sequential latency judgement.
 
     one Locust swarm (master + workers, web UI when asked) through the router,
     both arms pinned alternately with the same prompts, from the first look to the last
@@ -24,21 +24,20 @@ statistics.
 from __future__ import annotations
 
 import math
-import threading
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 import numpy as np
-import ray
 
 from cluster.arms import BASELINE, CANARY
-from cluster.distributed_load import DistributedSwarm
-from cluster.metrics import MetricsSnapshot, SpecDecodeStats
+from cluster.continuous_load import ContinuousLoad
+from cluster.metrics import MetricsSnapshot, SpecDecodeStats, spec_decode_delta
+from cluster.router import RouterClient
 from loadtests.health import format_or_na, percentile_ms
-from loadtests.records import RecordsTail, RequestRecord
-from loadtests.swarm import Swarm, SwarmError, SwarmResult, SwarmSpec
+from loadtests.records import RequestRecord
+from loadtests.swarm import SwarmError, SwarmResult, SwarmSpec
 from rollout.config import TWIN, ExperimentConfig
 from rollout.judge.acceptance import judge_acceptance
 from rollout.judge.config import GatesConfig
@@ -125,72 +124,6 @@ def duty_cycle(records: Sequence[RequestRecord], start: float, end: float) -> fl
     return covered / (end - start)
 
 
-def router_request_counts(router: Any) -> dict[str, int]:
-    """Requests the router received per arm (routed + rejected); {} when it does not answer."""
-    try:
-        state = ray.get(router.get_state.remote(), timeout=10)
-    except Exception:
-        return {}
-    return {arm: int(c["routed"]) + int(c["rejected"]) for arm, c in state["arm_counts"].items()}
-
-
-# -- the load -----------------------------------------------------------------------
-class ContinuousLoad:
-    """One swarm run in a thread for the whole phase; its records are read as they arrive."""
-
-    def __init__(self, spec: SwarmSpec, placement: str) -> None:
-        self.spec = spec
-        if placement == "local" or spec.n_workers == 0:
-            self._swarm = Swarm(spec)
-        else:
-            self._swarm = DistributedSwarm(spec, placement).swarm
-        self.tail = RecordsTail(spec.records_path)
-        self._result: SwarmResult | None = None
-        self._error: BaseException | None = None
-        self._thread = threading.Thread(target=self._run, name="experiment-load", daemon=True)
-        self.started_at = 0.0
-        self.stop_requested_at: float | None = None
-
-    def _run(self) -> None:
-        try:
-            self._result = self._swarm.run()
-        except BaseException as exc:  # reported by check() / finish()
-            self._error = exc
-
-    def start(self) -> None:
-        self.started_at = time.time()
-        self._thread.start()
-
-    def check(self) -> None:
-        """Raise if the load ended before the phase asked it to."""
-        if self._thread.is_alive() or self.stop_requested_at is not None:
-            return
-        if self._error is not None:
-            raise SwarmError(f"the experiment's load failed: {self._error}") from self._error
-        raise SwarmError("the experiment's load ended before the phase did")
-
-    def finish(self) -> SwarmResult:
-        """Stop gracefully (in-flight requests get the stop timeout) and return the checked result."""
-        if self.stop_requested_at is None:
-            self.stop_requested_at = time.time()
-        self._swarm.stop()
-        self._thread.join(self.spec.startup_timeout_s + self.spec.stop_timeout_s + self.spec.traffic.flush_timeout_s + 90)
-        if self._thread.is_alive():
-            self.kill()
-            raise SwarmError(f"the experiment's load did not stop; logs in {self.spec.logs}")
-        if self._error is not None:
-            raise SwarmError(f"the experiment's load failed: {self._error}") from self._error
-        assert self._result is not None
-        return self._result
-
-    def kill(self) -> None:
-        try:
-            self._swarm.kill()
-        except Exception:  # already gone
-            pass
-        self._thread.join(15)
-
-
 # -- the phase ----------------------------------------------------------------------
 @dataclass
 class ExperimentContext:
@@ -204,7 +137,7 @@ class ExperimentContext:
     placement: str
     scrape: Callable[[], dict[str, MetricsSnapshot]]
     replica_arms: dict[str, str]  # replica name -> arm
-    router: Any
+    router: RouterClient
     speculative_canary: bool
     say: Callable[[str], None]
     event: Callable[[str, str], None]
@@ -247,7 +180,7 @@ class ExperimentPhase:
         ctx, plan = self.ctx, self.plan
         started = time.monotonic()
         self.metrics_start = ctx.scrape()
-        router_before = router_request_counts(ctx.router)
+        router_before = ctx.router.request_counts()
         load = ContinuousLoad(ctx.swarm_spec, ctx.placement)
         load.start()
         capped_reason: str | None = None
@@ -355,17 +288,18 @@ class ExperimentPhase:
         return False
 
     def _scrape_acceptance(self) -> None:
-        """Spec-decode counters since the phase began, per arm; a replica not scraped makes its arm unknown."""
+        """Spec-decode counters since the phase began, per arm; a replica not scraped (or restarted)
+        makes its arm's acceptance unknown, not zero, for the rest of the phase."""
         after = self.ctx.scrape()
         totals: dict[str, SpecDecodeStats] = {}
-        for name, arm in self.ctx.replica_arms.items():
-            if arm == TWIN:
-                continue
-            if name not in self.metrics_start or name not in after:
-                self.unscraped.add(arm)  # a vanished replica: its arm's acceptance is unknown, not zero
-                continue
-            delta = after[name].delta(self.metrics_start[name])
-            totals[arm] = totals.get(arm, SpecDecodeStats()) + delta.spec_decode
+        arms = [arm for arm in dict.fromkeys(self.ctx.replica_arms.values()) if arm != TWIN]
+        for arm in arms:
+            replicas = [name for name, a in self.ctx.replica_arms.items() if a == arm]
+            delta = spec_decode_delta(self.metrics_start, after, replicas)
+            if delta is None:
+                self.unscraped.add(arm)
+            else:
+                totals[arm] = delta
         self.spec_delta = totals
 
     def _capped_reason(self, totals: dict[str, int]) -> str:
@@ -393,7 +327,7 @@ class ExperimentPhase:
         self, result: SwarmResult, router_before: dict[str, int], started: float, load_started: float,
         judged_end: float, tail: int,
     ) -> dict[str, Any]:
-        router_after = router_request_counts(self.ctx.router)
+        router_after = self.ctx.router.request_counts()
         received = (
             sum(router_after.values()) - sum(router_before.values()) if router_after and router_before else None
         )

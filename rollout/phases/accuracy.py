@@ -1,0 +1,122 @@
+"""Accuracy: identical greedy items to every arm in batches, judged after each batch (paired
+non-inferiority and output divergence, rollout.judge.accuracy); stops early on a clear
+regression or an abort command, and a canary that already lost accuracy gets no load."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import numpy as np
+
+from cluster.arms import BASELINE, CANARY
+from rollout.config import TWIN
+from rollout.evals import EvalItem, EvalSpec, ItemOutcome, evaluate_batch, load_items, outputs_differ
+from rollout.judge.accuracy import judge_accuracy, judge_divergence
+from rollout.judge.verdicts import GateResult, Verdict, is_enabled
+from rollout.phases.decide import decide_now
+from rollout.result import AccuracySummary
+from rollout.run_context import InfrastructureError, RunContext
+
+
+def eval_spec(ctx: RunContext) -> EvalSpec:
+    """The configured items; a golden set defaults to the tiny checkpoint's golden.jsonl."""
+    spec = ctx.cfg.accuracy
+    if spec.kind == "golden" and not spec.path:
+        spec = spec.model_copy(update={"path": str(Path(ctx.engines[BASELINE].model) / "golden.jsonl")})
+    return spec
+
+
+def judge_outcomes(ctx: RunContext, outcomes: dict[str, list[ItemOutcome]], interim: bool) -> tuple[GateResult, GateResult]:
+    gates_cfg = ctx.cfg.gates
+    base, canary = outcomes[BASELINE], outcomes[CANARY]
+    accuracy_gate = judge_accuracy(
+        [o.correct for o in base], [o.correct for o in canary], gates_cfg, look=1, max_looks=1, interim=interim
+    )
+    twin = outcomes.get(TWIN)
+    divergence_gate = judge_divergence(
+        [outputs_differ(b, c) for b, c in zip(base, canary)],
+        [outputs_differ(b, t) for b, t in zip(base, twin)] if twin is not None else None,
+        gates_cfg,
+        look=1,
+        max_looks=1,
+        interim=interim,
+    )
+    return accuracy_gate, divergence_gate
+
+
+class Accuracy:
+    name = "accuracy"
+
+    def enabled(self, ctx: RunContext) -> bool:
+        return not ctx.judged and ctx.result.decision is None and ctx.cfg.accuracy.enabled
+
+    def run(self, ctx: RunContext) -> None:
+        cfg = ctx.cfg
+        spec = eval_spec(ctx)
+        items: list[EvalItem] = load_items(spec)
+        arms = [BASELINE, CANARY] + ([TWIN] if TWIN in ctx.engines else [])
+        ctx.say(f"accuracy: {len(items)} {spec.kind} items to {', '.join(arms)} (greedy), batches of {cfg.accuracy.batch_size}")
+        ctx.event("accuracy", "start", f"{len(items)} {spec.kind} items")
+        t0 = time.monotonic()
+        outcomes: dict[str, list[ItemOutcome]] = {arm: [] for arm in arms}
+        accuracy_gate, divergence_gate = self._batches(ctx, spec, items, arms, outcomes)
+        errors = {arm: sum(o.error is not None for o in outcomes[arm]) for arm in arms}
+        ctx.result.accuracy = AccuracySummary(
+            kind=spec.kind,
+            items=len(outcomes[BASELINE]),
+            planned_items=len(items),
+            accuracy={arm: float(np.mean([o.correct for o in outcomes[arm]])) if outcomes[arm] else None for arm in arms},
+            divergence_vs_baseline={
+                arm: float(np.mean([outputs_differ(a, b) for a, b in zip(outcomes[BASELINE], outcomes[arm])]))
+                for arm in arms
+                if arm != BASELINE and outcomes[arm]
+            },
+            request_errors=errors,
+            duration_s=time.monotonic() - t0,
+        )
+        ctx.result.gates += [g for g in (accuracy_gate, divergence_gate) if g is not None]
+        ctx.event("accuracy", "done", f"{accuracy_gate.verdict.value} / {divergence_gate.verdict.value}")
+        if sum(errors.values()) and all(o.error for o in outcomes[BASELINE]):
+            raise InfrastructureError(f"accuracy: every baseline request failed: {outcomes[BASELINE][0].error}")
+        if ctx.result.decision is None and any(
+            g.verdict == Verdict.FAIL for g in ctx.result.gates if is_enabled(g.name, cfg.gates)
+        ):
+            # Fail fast: a canary that already lost accuracy gets no load.
+            ctx.say("accuracy: a gate failed; skipping the experiment")
+            ctx.event("accuracy", "abort", "accuracy gate failed")
+            decide_now(ctx)
+
+    @staticmethod
+    def _batches(ctx: RunContext, spec: EvalSpec, items: list[EvalItem], arms: list[str],
+                 outcomes: dict[str, list[ItemOutcome]]) -> tuple[GateResult, GateResult]:
+        """Batch after batch to every arm through the router, each judged and committed before the next."""
+        batch_size = ctx.cfg.accuracy.batch_size
+        look = 0
+        accuracy_gate = divergence_gate = None
+        for start in range(0, len(items), batch_size):
+            batch = items[start : start + batch_size]
+            got = evaluate_batch(ctx.router.url, ctx.served_model, batch, arms, spec)
+            for arm in arms:
+                outcomes[arm].extend(got[arm])
+                ctx.store.add_eval_outcomes(ctx.run_id, got[arm])
+            look += 1
+            last = start + len(batch) >= len(items)
+            accuracy_gate, divergence_gate = judge_outcomes(ctx, outcomes, interim=not last)
+            ctx.store.put_phase_result(
+                ctx.run_id, "accuracy", look, [accuracy_gate.model_dump(mode="json"), divergence_gate.model_dump(mode="json")]
+            )
+            done = len(outcomes[BASELINE])
+            acc = {arm: np.mean([o.correct for o in outcomes[arm]]) for arm in arms}
+            ctx.say(
+                f"accuracy: {done}/{len(items)} items | "
+                + " ".join(f"{arm} {acc[arm]:.3f}" for arm in arms)
+                + f" | {accuracy_gate.name}: {accuracy_gate.verdict.value}, {divergence_gate.name}: {divergence_gate.verdict.value}"
+            )
+            if not last and ctx.aborted("accuracy"):
+                break
+            if not last and (accuracy_gate.verdict == Verdict.FAIL or divergence_gate.verdict == Verdict.FAIL):
+                ctx.say("accuracy: clear regression, stopping early")
+                ctx.event("accuracy", "early_stop", f"after {done} items")
+                break
+        return accuracy_gate, divergence_gate

@@ -1,0 +1,102 @@
+"""The experiment: one continuous Locust load through the router, both arms pinned alternately
+with the same prompts, judged at looks by evidence (the loop: rollout.phases.experiment_loop);
+this module builds its load and turns its outcome into the run's summary and gates."""
+
+from __future__ import annotations
+
+import numpy as np
+
+from cluster.arms import BASELINE, CANARY
+from loadtests.health import percentile_ms
+from loadtests.records import RequestRecord
+from rollout.phases.experiment_loop import LOAD_MARGIN_S, LOAD_STOP_TIMEOUT_S, ExperimentContext, ExperimentPhase
+from rollout.result import ExperimentSummary, SpecDecodeSummary
+from rollout.run_context import RunContext
+
+
+class Experiment:
+    name = "experiment"
+
+    def enabled(self, ctx: RunContext) -> bool:
+        return not ctx.judged and ctx.result.decision is None and ctx.cfg.experiment.enabled
+
+    def run(self, ctx: RunContext) -> None:
+        exp = ctx.cfg.experiment
+        replicas = ctx.cfg.canary.replicas
+        ctx.say(
+            f"experiment: looks every {exp.requests_per_look} completed requests per arm (at least {exp.window_s} s apart), "
+            f"{exp.requests_per_arm} per arm planned ({exp.planned_looks} looks), at most {exp.max_duration_s:g} s; "
+            + (
+                f"open loop {exp.rate_per_replica:g} req/s per replica"
+                if exp.rate_per_replica
+                else f"closed loop {exp.users_per_replica} streams per replica"
+            )
+        )
+        ctx.event("experiment", "start", f"looks every {exp.requests_per_look} requests per arm")
+        out = ctx.run_dir / "experiment"
+        traffic = ctx.traffic.pinned(
+            out / "records.jsonl",
+            tag="experiment",
+            seed=exp.seed + 1,
+            arm_pin=f"{BASELINE},{CANARY}",
+            rate=exp.rate_per_replica * 2 * replicas if exp.rate_per_replica else None,
+        )
+        spec = ctx.traffic.swarm_spec(
+            ctx.router.url, traffic, exp.users_per_replica * 2 * replicas, int(exp.max_duration_s + LOAD_MARGIN_S),
+            out / "locust", stop_timeout_s=LOAD_STOP_TIMEOUT_S,
+        )
+        if exp.web_ui:
+            ctx.say(f"experiment: Locust web UI at http://{spec.web_host}:{spec.web_port} until the last look")
+        outcome = ExperimentPhase(
+            ExperimentContext(
+                run_id=ctx.run_id,
+                config=exp,
+                gates=ctx.cfg.gates,
+                store=ctx.store,
+                swarm_spec=spec,
+                placement=exp.worker_placement,
+                scrape=ctx.fleet.metrics,
+                replica_arms=ctx.replica_arms(),
+                router=ctx.router,
+                speculative_canary=ctx.speculative_canary,
+                say=ctx.say,
+                event=lambda event, reason: ctx.event("experiment", event, reason),
+                aborted=lambda: ctx.aborted("experiment"),
+            )
+        ).run()
+        ctx.experiment_capped = outcome.capped_reason
+        records = outcome.records
+        for arm, stats in outcome.spec_decode.items():
+            k = ctx.engines[arm].num_speculative_tokens
+            expected = None
+            if k > 1 and stats.per_position_rate:
+                expected = {str(kk): stats.expected_length_for_k(kk) for kk in range(1, k + 1)}
+            ctx.result.spec_decode[arm] = SpecDecodeSummary(**stats.to_dict(), expected_length_by_k=expected)
+        ctx.result.experiment = ExperimentSummary(
+            **outcome.summary,
+            latency_ms={arm: latency_summary(records, arm) for arm in (BASELINE, CANARY)},
+            client_tokens_per_chunk={
+                arm: _mean([r.decode_tokens_per_chunk for r in records if r.arm == arm]) for arm in (BASELINE, CANARY)
+            },
+            stopped_by="abort" if outcome.aborted else "max_duration_s" if outcome.capped_reason else "evidence",
+        )
+        ctx.result.gates += outcome.gates
+
+
+def latency_summary(records: list[RequestRecord], arm: str) -> dict[str, float | None]:
+    """TTFT, TPOT and E2E p50/p95/p99 in ms of an arm's successful requests."""
+    ok = [r for r in records if r.arm == arm and r.ok and not r.cancelled]
+    out: dict[str, float | None] = {}
+    for metric, values in (
+        ("ttft", [r.ttft_s for r in ok if r.ttft_s is not None]),
+        ("tpot", [r.tpot_s for r in ok if r.tpot_s is not None]),
+        ("e2e", [r.e2e_s for r in ok]),
+    ):
+        for q in (50, 95, 99):
+            out[f"{metric}_p{q}"] = percentile_ms(values, q)
+    return out
+
+
+def _mean(values) -> float | None:
+    vals = [v for v in values if v is not None]
+    return float(np.mean(vals)) if vals else None

@@ -1,0 +1,83 @@
+"""Preflight: every replica answers a smoke request, /metrics scrapes, and a speculative
+canary really drafts (fail closed: a speculative config that never drafts is not the
+config under test). Engine warnings are recorded."""
+
+from __future__ import annotations
+
+import requests
+
+from cluster.arms import CANARY
+from rollout.judge.verdicts import Decision, GateResult, Verdict
+from rollout.result import PreflightSummary
+from rollout.run_context import InfrastructureError, RunContext
+
+SMOKE_PROMPT = "Question: 1 + 1?\nAnswer:"
+SMOKE_TIMEOUT_S = 120
+SAME_MTP_LAYER = "same MTP layer"  # vLLM's warning when k > 1 drafts reuse one MTP layer
+
+
+class Preflight:
+    name = "preflight"
+
+    def enabled(self, ctx: RunContext) -> bool:
+        return True
+
+    def run(self, ctx: RunContext) -> None:
+        ctx.say("preflight: smoke request to every replica")
+        fleet = ctx.fleet
+        answers = {handle.name: self._smoke(handle, ctx.served_model) for handle in fleet.replicas}
+        metrics = fleet.metrics()
+        missing = [h.name for h in fleet.replicas if h.name not in metrics]
+        if missing:
+            raise InfrastructureError(f"preflight: /metrics of {missing} could not be scraped")
+        warnings = fleet.engine_warnings()
+        ctx.result.engine_warnings = warnings
+        canary_drafts = sum(metrics[h.name].spec_decode.drafts for h in fleet.handles(CANARY))
+        k = ctx.engines[CANARY].num_speculative_tokens
+        ctx.result.preflight = PreflightSummary(
+            smoke_completion_tokens=answers,
+            canary_speculative_tokens=k,
+            canary_drafts=canary_drafts,
+            notable_warnings={name: w[:3] for name, w in warnings.items() if w},
+        )
+        ctx.store.put_phase_result(ctx.run_id, "preflight", 1, ctx.result.preflight.document())
+        for name, lines in warnings.items():
+            for line in lines:
+                if SAME_MTP_LAYER in line:
+                    ctx.say(f"preflight: {name} engine warning: {line}")
+                    break
+        if ctx.speculative_canary and canary_drafts <= 0:
+            self._fail_no_drafts(ctx, canary_drafts)
+            return
+        ctx.event("preflight", "pass", f"canary drafts {canary_drafts:g}")
+
+    @staticmethod
+    def _smoke(handle, model: str) -> int:
+        try:
+            response = requests.post(
+                f"{handle.url}/v1/completions",
+                json={"model": model, "prompt": SMOKE_PROMPT, "max_tokens": 8, "temperature": 0},
+                timeout=SMOKE_TIMEOUT_S,
+            )
+            response.raise_for_status()
+            return response.json()["usage"]["completion_tokens"]
+        except (requests.RequestException, KeyError, ValueError) as exc:
+            raise InfrastructureError(f"preflight: replica {handle.name} did not answer: {exc}") from None
+
+    @staticmethod
+    def _fail_no_drafts(ctx: RunContext, canary_drafts: float) -> None:
+        reason = "canary is configured to speculate but produced no drafts in preflight"
+        ctx.result.gates.append(
+            GateResult(
+                name="preflight_speculation",
+                metric="canary_drafts",
+                baseline=None,
+                canary=float(canary_drafts),
+                threshold=1.0,
+                verdict=Verdict.FAIL,
+                detail=reason,
+            )
+        )
+        ctx.result.decision = Decision.ROLLBACK
+        ctx.result.reason = reason
+        ctx.event("preflight", "fail", reason)

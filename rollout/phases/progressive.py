@@ -1,0 +1,112 @@
+"""The progressive phase in the run: canary weight steps with bake time for a canary the
+experiment judged fit (or when the steps are the only judge); the judged verdict stands only
+if every step holds. A resumed run continues after the last committed step."""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+from cluster.load_runner import start_load_runner
+from cluster.ray_cluster import find_actor, kill_quietly
+from rollout.judge.verdicts import Decision, GateResult
+from rollout.phases.progressive_context import ProgressiveContext
+from rollout.phases.progressive_steps import run_progressive
+from rollout.result import ProgressiveSummary
+from rollout.resume import PROGRESSIVE_OUTCOME, ProgressiveVerdict
+from rollout.run_context import RunContext
+
+PROGRESSIVE_SEED_OFFSET = 1000  # the progressive load's prompts differ from the experiment's
+
+
+def load_name(attempt: int) -> str:
+    return f"load-attempt-{attempt}"
+
+
+class Progressive:
+    name = "progressive"
+
+    def enabled(self, ctx: RunContext) -> bool:
+        return ctx.cfg.progressive.enabled and (ctx.result.decision == Decision.PROMOTE or not ctx.result.gates)
+
+    def run(self, ctx: RunContext) -> None:
+        prog = ctx.cfg.progressive
+        done = ctx.point.progressive if ctx.resuming else None
+        if done is not None:  # the phase had ended before the crash: its verdict stands
+            ctx.result.progressive = done.summary
+            self._apply(ctx, done.decision, done.reason, list(done.guards))
+            return
+        # every step done but no verdict committed (died in between): the last step bakes again
+        first_step = min(ctx.point.steps_done, len(prog.steps) - 1)
+        previous = self._previous_loads(ctx) if ctx.resuming else []
+        if len(previous) > 1:
+            for actor in previous[:-1]:  # older attempts' loads: their lease will end them; end them now
+                kill_quietly(actor)
+        if first_step:
+            ctx.say(f"progressive: resuming after step {first_step} of {len(prog.steps)}")
+        ctx.say(
+            "progressive: steps "
+            + " -> ".join(f"{s.canary_weight:g}%" + (" (pause)" if s.pause else "") for s in prog.steps)
+        )
+        ctx.event("progressive", "start", f"{len(prog.steps)} steps")
+        t0 = time.monotonic()
+        outcome = run_progressive(self._context(ctx, first_step, previous[-1] if previous else None))
+        ctx.result.progressive = ProgressiveSummary(
+            steps_completed=outcome.steps_completed,
+            observed_split=outcome.observed_split,
+            requests_received=outcome.requests_received,
+            records_stored=outcome.records_stored,
+            attempt=ctx.attempt,
+            duration_s=time.monotonic() - t0,
+        )
+        verdict = ProgressiveVerdict(outcome.decision, outcome.reason, outcome.guards, ctx.result.progressive)
+        ctx.store.put_phase_result(ctx.run_id, PROGRESSIVE_OUTCOME, 1, verdict.stored())
+        self._apply(ctx, outcome.decision, outcome.reason, outcome.guards)
+
+    @staticmethod
+    def _context(ctx: RunContext, first_step: int, previous_load: Any) -> ProgressiveContext:
+        exp = ctx.cfg.experiment
+        return ProgressiveContext(
+            run_id=ctx.run_id,
+            run_dir=ctx.run_dir,
+            config=ctx.cfg.progressive,
+            router=ctx.router,
+            model=ctx.served_model,
+            traffic={**ctx.traffic.fields(), "seed": exp.seed + PROGRESSIVE_SEED_OFFSET},
+            set_canary_weight=lambda weight, reason: ctx.set_canary_weight(weight, "progressive", reason),
+            event=lambda event, reason: ctx.event("progressive", event, reason),
+            say=lambda message: ctx.say(f"progressive: {message}"),
+            scrape=ctx.fleet.metrics,
+            replica_arms=ctx.replica_arms(),
+            replicas_alive=ctx.replicas_alive,
+            store=ctx.store,
+            speculative_canary=ctx.speculative_canary,
+            n_workers=exp.workers,
+            first_step=first_step,
+            start_load=lambda spec: Progressive._start_load(ctx, spec),
+            previous_load=previous_load,
+            master_bind_host=ctx.traffic.master_bind_host,
+        )
+
+    @staticmethod
+    def _apply(ctx: RunContext, decision: Decision, reason: str, guards: list[GateResult]) -> None:
+        judged_promote = ctx.result.decision == Decision.PROMOTE
+        ctx.result.gates += guards
+        ctx.result.decision = decision
+        # a PROMOTE keeps the experiment's reasons when it had them; otherwise the steps are the reason
+        if decision != Decision.PROMOTE or not judged_promote:
+            ctx.result.reason = reason
+
+    @staticmethod
+    def _start_load(ctx: RunContext, spec) -> Any:
+        """The progressive load's LoadRunner: named per attempt, detached, leased."""
+        name = load_name(ctx.attempt)
+        actor = start_load_runner(spec, name=name, namespace=ctx.namespace, placement=ctx.cfg.experiment.worker_placement)
+        ctx.leased[name] = actor
+        actor.renew_lease.remote(ctx.cfg.lease_s)
+        return actor
+
+    @staticmethod
+    def _previous_loads(ctx: RunContext) -> list[Any]:
+        found = [find_actor(load_name(n), namespace=ctx.namespace) for n in range(1, ctx.attempt)]
+        return [actor for actor in found if actor is not None]

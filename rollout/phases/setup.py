@@ -1,0 +1,168 @@
+"""Before anything is measured: the engines each arm runs (tiny checkpoints written and sized
+for this machine), then the fleet of replicas and the router over them, started or, for a
+resumed run, adopted from the attempt that died."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+from typing import Any
+
+import ray
+from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+from cluster.arms import BASELINE, CANARY
+from cluster.fleet import ArmSpec, Fleet
+from cluster.ray_cluster import connect, find_actor, kill_quietly
+from cluster.router import Router, RouterClient
+from rollout.config import TWIN, ArmConfig
+from rollout.run_context import Progress, RunContext
+from tinymodel.checkpoint import TinyCheckpointSpec, checkpoint_dir, ensure_checkpoint
+from tinymodel.sizing import TinySizing, engine_dtype_for, size_tiny_model, sizing_for_arm, tiny_spec_for
+
+ROUTER_NAME = "router"
+
+
+def resolve_arm_engine(arm: ArmConfig, cache_dir: Path, progress: Progress, sizing: TinySizing | None = None):
+    """The arm's EngineSpec with `model` pointing at a real checkpoint (tiny ones written now).
+
+    sizing: a tinymodel.sizing.TinySizing, from `size_tiny_model(cache_dir,
+    progress, options=cfg.baseline.tiny_model)` called once per run and passed
+    to both arms (store `sizing.model_dump()` as decision.json prepare.tiny_model).
+    None: sized here (the probe's answer is cached per machine, so both arms
+    still get the same). An auto-sized tiny model also sets the engine's dtype
+    (float32 without native bf16) unless tiny_model.dtype says otherwise;
+    explicit num_layers / hidden_size / dtype win over the sizing.
+    """
+    if arm.tiny_model is None:
+        return arm.engine
+    options = arm.tiny_model
+    sizing = sizing_for_arm(options, sizing, cache_dir, progress)
+    spec: TinyCheckpointSpec = tiny_spec_for(options, sizing)
+    # Keyed on the spec and the builder's code; built in a temporary sibling and renamed into place.
+    path = checkpoint_dir(cache_dir, spec)
+    progress(f"prepare: tiny MiMo-V2 checkpoint {path}")
+    ensure_checkpoint(path, spec)
+    update = {"model": str(path)}
+    dtype = engine_dtype_for(options, sizing, arm.engine.dtype)
+    if dtype != arm.engine.dtype:
+        update["dtype"] = dtype
+    return arm.engine.model_copy(update=update)
+
+
+class Prepare:
+    """Each arm's engine; one sizing of the tiny model for both arms (like with like)."""
+
+    name = "prepare"
+
+    def enabled(self, ctx: RunContext) -> bool:
+        return True
+
+    def run(self, ctx: RunContext) -> None:
+        cfg, result = ctx.cfg, ctx.result
+        t0 = time.monotonic()
+        tiny = cfg.baseline.tiny_model or cfg.canary.tiny_model
+        # the probe's answer is cached per machine
+        sizing = size_tiny_model(ctx.cache_dir, ctx.say, options=tiny) if tiny and tiny.size == "auto" else None
+        result.prepare.tiny_model = sizing.model_dump(mode="json") if sizing else None
+        ctx.engines[BASELINE] = resolve_arm_engine(cfg.baseline, ctx.cache_dir, ctx.say, sizing=sizing)
+        ctx.engines[CANARY] = resolve_arm_engine(cfg.canary, ctx.cache_dir, ctx.say, sizing=sizing)
+        if cfg.twin_baseline:
+            ctx.engines[TWIN] = ctx.engines[BASELINE]
+        for arm, engine in ctx.engines.items():
+            arm_cfg = cfg.canary if arm == CANARY else cfg.baseline
+            result.arms[arm] = {
+                "replicas": arm_cfg.replicas,
+                "engine": engine.model_dump(mode="json"),
+                "tiny_model": arm_cfg.tiny_model.model_dump() if arm_cfg.tiny_model else None,
+            }
+        result.timings["prepare_s"] = time.monotonic() - t0
+
+
+class StartFleet:
+    """Ray, the replicas (in parallel) and the router; a resumed run adopts what is still there."""
+
+    name = "fleet"
+
+    def enabled(self, ctx: RunContext) -> bool:
+        return True
+
+    def run(self, ctx: RunContext) -> None:
+        cfg = ctx.cfg
+        ctx.say(connect(cfg.ray.address, namespace=ctx.namespace))
+        t0 = time.monotonic()
+        arms = [
+            ArmSpec(name=arm, engine=engine, replicas=ctx.result.arms[arm]["replicas"])
+            for arm, engine in ctx.engines.items()
+        ]
+        # Named and detached in the run's namespace: a resumed controller finds them.
+        ctx.fleet = Fleet(
+            arms,
+            log_dir=str(ctx.run_dir / "logs"),
+            progress=ctx.say,
+            bind_host=cfg.ray.bind_host,
+            actor_name_prefix="replica-",
+            namespace=ctx.namespace,
+            detached=True,
+            lease_s=cfg.lease_s,
+        )
+        ctx.leases.start()  # before anything starts: a fleet start can take many minutes
+        previous_router = find_actor(ROUTER_NAME, namespace=ctx.namespace) if ctx.resuming else None
+        if ctx.resuming and ctx.fleet.attach():
+            urls = ctx.fleet.urls()
+            ctx.event("fleet", "reattached", f"{len(ctx.fleet.replicas)} replicas")
+        else:
+            if ctx.resuming:
+                ctx.fleet.remove_leftovers()
+            ctx.event("fleet", "start", ", ".join(f"{a.name} x{a.replicas}" for a in arms))
+            urls = ctx.fleet.start(timeout_s=cfg.startup_timeout_s)
+            ctx.event("fleet", "ready", f"{sum(len(u) for u in urls.values())} replicas")
+        self._report_cores(ctx)
+        ctx.result.timings["fleet_start_s"] = time.monotonic() - t0
+        if previous_router is not None and self._reattach_router(ctx, previous_router, urls):
+            return
+        self._start_router(ctx, urls)
+
+    @staticmethod
+    def _report_cores(ctx: RunContext) -> None:
+        fleet = ctx.fleet
+        ctx.result.prepare.cpu_cores = dict(fleet.cpu_cores)
+        ctx.result.prepare.core_sharing = fleet.core_sharing
+        if fleet.core_sharing:
+            ctx.say(f"fleet: WARNING: {fleet.core_sharing}: arms share cores, latency includes their contention")
+        elif any(fleet.cpu_cores.values()):
+            ctx.say("fleet: cores per replica: " + ", ".join(f"{n} -> {c}" for n, c in fleet.cpu_cores.items()))
+
+    @staticmethod
+    def _start_router(ctx: RunContext, urls: dict[str, list[str]]) -> None:
+        cfg = ctx.cfg
+        # The router runs on this (the driver's) node: Locust, started here, reaches it locally.
+        here = NodeAffinitySchedulingStrategy(node_id=ray.get_runtime_context().get_node_id(), soft=False)
+        actor = Router.options(
+            scheduling_strategy=here, name=ROUTER_NAME, namespace=ctx.namespace, lifetime="detached"
+        ).remote(initial_weights={BASELINE: 100.0, CANARY: 0.0}, seed=0)
+        actor.renew_lease.remote(cfg.lease_s)
+        url = ray.get(actor.start.remote(host=cfg.ray.bind_host))
+        ctx.router = RouterClient(actor, url)
+        ctx.router.set_arms(urls)
+        ctx.canary_weight = 0.0
+        ctx.store.update_run(ctx.run_id, canary_weight=0.0)
+        ctx.say(f"router: {url} (canary weight 0% until judged)")
+        ctx.event("router", "ready", url)
+
+    @staticmethod
+    def _reattach_router(ctx: RunContext, actor: Any, urls: dict[str, list[str]]) -> bool:
+        """Adopt the router an earlier attempt left (it kept serving at its weights)."""
+        try:
+            state = ray.get(actor.get_state.remote(), timeout=10)
+        except ray.exceptions.RayError:
+            return False
+        if not state["url"]:
+            kill_quietly(actor)
+            return False
+        ctx.router = RouterClient(actor, state["url"])
+        ctx.router.set_arms(urls)
+        ctx.canary_weight = float(state["weights"].get(CANARY, 0.0))
+        ctx.say(f"router: reattached at {ctx.router.url} (canary weight {ctx.canary_weight:g}%)")
+        ctx.event("router", "reattached", ctx.router.url)
+        return True

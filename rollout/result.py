@@ -1,0 +1,223 @@
+"""A run's result, typed: what each phase found, the decision, and decision.json built from them.
+
+Every phase writes its summary here (pydantic models, so the shapes are checked where they
+are made); `decision_document` turns the whole into decision.json, and `RunResult.from_document`
+reads one back (a recorded run's document round-trips unchanged: tests/test_result.py).
+The judgement checkpoint a resumed run restores (rollout.resume) holds the same summaries.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict
+
+from rollout.config import RolloutConfig
+from rollout.judge.verdicts import Decision, GateResult
+
+EXIT_CODES = {Decision.PROMOTE: 0, Decision.ROLLBACK: 3, Decision.INCONCLUSIVE: 4}
+EXIT_INFRASTRUCTURE = 1
+
+
+class Summary(BaseModel):
+    """A phase's summary: exactly the keys decision.json shows (unknown keys are refused)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    def document(self) -> dict[str, Any]:
+        return self.model_dump(mode="json")
+
+
+class PrepareSummary(Summary):
+    """What the run chose before starting anything: the tiny model's size, cores per replica."""
+
+    tiny_model: dict[str, Any] | None = None  # rollout's TinySizing, as decision.json shows it
+    cpu_cores: dict[str, str | None] | None = None  # replica -> VLLM_CPU_OMP_THREADS_BIND
+    core_sharing: str | None = None
+
+    def document(self) -> dict[str, Any]:
+        # keys appear as they are learnt (the sizing first, the cores once the fleet is up)
+        return self.model_dump(mode="json", exclude_unset=True)
+
+
+class PreflightSummary(Summary):
+    smoke_completion_tokens: dict[str, int]
+    canary_speculative_tokens: int
+    canary_drafts: float
+    notable_warnings: dict[str, list[str]]
+
+
+class AccuracySummary(Summary):
+    kind: str
+    items: int
+    planned_items: int
+    accuracy: dict[str, float | None]
+    divergence_vs_baseline: dict[str, float]
+    request_errors: dict[str, int]
+    duration_s: float
+
+
+class LookSummary(Summary):
+    look: int
+    at: float
+    information: float
+    requests: dict[str, int]
+    verdicts: dict[str, str]
+
+
+class SweepArm(Summary):
+    requests: int
+    errors: int
+    tpot_p50_ms: float | None
+    ttft_p50_ms: float | None
+    output_tokens_per_s: float
+    tokens_per_chunk: float | None
+
+
+class SweepRow(Summary):
+    level: float
+    arms: dict[str, SweepArm]
+    tpot_ratio: float | None
+
+
+class ExperimentSummary(Summary):
+    looks: list[LookSummary]
+    planned_looks: int
+    requests_per_look: int
+    requests_per_arm_planned: int
+    information: float
+    requests: dict[str, int]
+    records_after_last_look: int
+    requests_received: int | None
+    records_stored: int
+    duty_cycle: float | None
+    load_start_s: float | None
+    duration_s: float
+    generator_warnings: list[str]
+    generator_send_lag_p99_ms: float | None
+    latency_ms: dict[str, dict[str, float | None]]
+    client_tokens_per_chunk: dict[str, float | None]
+    stopped_by: str  # evidence | max_duration_s | abort
+    sweep: list[SweepRow] | None = None  # speedup vs load (no gate); absent when no sweep ran
+
+    def document(self) -> dict[str, Any]:
+        return self.model_dump(mode="json", exclude={"sweep"} if self.sweep is None else None)
+
+
+class StepSplit(Summary):
+    step: int
+    canary_weight: float
+    routed: dict[str, int]
+    observed_canary_share: float | None
+    records: dict[str, int]
+    records_canary_share: float | None
+
+
+class ProgressiveSummary(Summary):
+    steps_completed: int
+    observed_split: list[StepSplit]
+    requests_received: int | None
+    records_stored: int | None
+    attempt: int
+    duration_s: float
+
+
+class SpecDecodeSummary(Summary):
+    """An arm's speculative-decoding counters over the experiment (the /metrics deltas)."""
+
+    model_config = ConfigDict(extra="ignore")  # a checkpoint may hold more counters than decision.json shows
+
+    acceptance_rate: float | None = None
+    mean_acceptance_length: float | None = None
+    per_position: list[float] | None = None
+    drafts: float | None = None
+    draft_tokens: float | None = None
+    accepted_tokens: float | None = None
+    expected_length_by_k: dict[str, float] | None = None
+
+
+def _section(summary: Summary | None) -> dict[str, Any]:
+    return summary.document() if summary is not None else {}
+
+
+@dataclass
+class RunResult:
+    """Everything the report needs; built up phase by phase."""
+
+    run_id: str
+    run_dir: Path
+    config: RolloutConfig
+    started_at: float = field(default_factory=time.time)
+    decision: Decision | None = None
+    reason: str = ""
+    gates: list[GateResult] = field(default_factory=list)
+    prepare: PrepareSummary = field(default_factory=PrepareSummary)
+    preflight: PreflightSummary | None = None
+    accuracy: AccuracySummary | None = None
+    experiment: ExperimentSummary | None = None
+    progressive: ProgressiveSummary | None = None
+    spec_decode: dict[str, SpecDecodeSummary] = field(default_factory=dict)
+    engine_warnings: dict[str, list[str]] = field(default_factory=dict)
+    arms: dict[str, dict] = field(default_factory=dict)  # arm -> replicas, engine, tiny_model (as configured)
+    timings: dict[str, float] = field(default_factory=dict)
+    timeline: list[dict] = field(default_factory=list)
+    error: str | None = None
+
+    @property
+    def exit_code(self) -> int:
+        if self.error is not None or self.decision is None:
+            return EXIT_INFRASTRUCTURE
+        return EXIT_CODES[self.decision]
+
+    @classmethod
+    def from_document(cls, doc: dict[str, Any], config: RolloutConfig, run_dir: Path) -> "RunResult":
+        """A decision.json read back (the inverse of decision_document, timings as rounded there)."""
+        error = doc["error"]
+        return cls(
+            run_id=doc["run_id"],
+            run_dir=run_dir,
+            config=config,
+            started_at=doc["started_at"],
+            decision=Decision(doc["decision"]) if doc["decision"] else None,
+            reason="" if error else doc["reason"],
+            gates=[GateResult.model_validate(g) for g in doc["gates"]],
+            prepare=PrepareSummary.model_validate(doc["prepare"]),
+            preflight=PreflightSummary.model_validate(doc["preflight"]) if doc["preflight"] else None,
+            accuracy=AccuracySummary.model_validate(doc["accuracy"]) if doc["accuracy"] else None,
+            experiment=ExperimentSummary.model_validate(doc["experiment"]) if doc["experiment"] else None,
+            progressive=ProgressiveSummary.model_validate(doc["progressive"]) if doc["progressive"] else None,
+            spec_decode={arm: SpecDecodeSummary.model_validate(sd) for arm, sd in doc["spec_decode"].items()},
+            engine_warnings=doc["engine_warnings"],
+            arms=doc["arms"],
+            timings=doc["timings"],
+            timeline=doc["timeline"],
+            error=error,
+        )
+
+
+def decision_document(result: RunResult) -> dict[str, Any]:
+    """decision.json: the verdict, every gate's numbers, and what was compared."""
+    return {
+        "run_id": result.run_id,
+        "name": result.config.name,
+        "decision": result.decision.value if result.decision and result.error is None else None,
+        "exit_code": result.exit_code,
+        "reason": result.error or result.reason,
+        "error": result.error,
+        "gates": [g.model_dump(mode="json") for g in result.gates],
+        "spec_decode": {arm: sd.document() for arm, sd in result.spec_decode.items()},
+        "arms": result.arms,
+        "prepare": result.prepare.document(),
+        "preflight": _section(result.preflight),
+        "accuracy": _section(result.accuracy),
+        "experiment": _section(result.experiment),
+        "progressive": _section(result.progressive),
+        "engine_warnings": result.engine_warnings,
+        "gates_config": result.config.gates.model_dump(mode="json"),
+        "timings": {k: round(v, 3) for k, v in result.timings.items()},
+        "timeline": result.timeline,
+        "started_at": result.started_at,
+    }

@@ -1,0 +1,219 @@
+"""One run's shared state, handed to every phase: config, store, event log, fleet and router,
+the traffic plan, the attempt, and the leases that keep the run's actors alive.
+
+A phase (rollout/phases/) reads what it needs from the context and writes what it finds into
+`ctx.result`; the controller owns the order of the phases, error handling and teardown.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import ray
+
+from cluster.arms import BASELINE, CANARY
+from cluster.engine_spec import EngineSpec
+from cluster.fleet import Fleet
+from cluster.router import RouterClient
+from loadtests.options import TrafficOptions
+from loadtests.swarm import SwarmSpec
+from rollout.config import RolloutConfig
+from rollout.judge.verdicts import Decision
+from rollout.result import RunResult
+from rollout.resume import ResumePoint
+from rollout.store import RunStore
+
+Progress = Callable[[str], None]
+
+
+class InfrastructureError(RuntimeError):
+    """The run could not measure (a replica, the router or Locust failed): exit 1, no verdict."""
+
+
+def run_namespace(run_id: str) -> str:
+    """The Ray namespace of one run's named actors."""
+    return f"mtp-canary-{run_id}"
+
+
+class LeaseKeeper:
+    """Renews the lease of every actor of the run a few times per lease while the controller lives.
+
+    Each actor ends itself (and its processes) when its lease lapses: a dead controller's fleet,
+    router and load do not outlive it by more than one lease unless a resumed controller adopts them.
+    """
+
+    def __init__(self, lease_s: float, actors: Callable[[], list[Any]]) -> None:
+        self.lease_s = lease_s
+        self._actors = actors
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def renew(self) -> None:
+        for actor in self._actors():
+            try:
+                actor.renew_lease.remote(self.lease_s)
+            except Exception:  # a dead actor: the health checks say so
+                pass
+
+    def start(self) -> None:
+        self.renew()
+        interval = max(1.0, self.lease_s / 6)
+
+        def keep() -> None:
+            while not self._stop.wait(interval):
+                self.renew()
+
+        self._thread = threading.Thread(target=keep, name="lease-keeper", daemon=True)
+        self._thread.start()
+
+    def stop(self) -> None:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(5)
+
+    def release(self) -> None:
+        """Leave every actor running without a lease (keep_fleet)."""
+        for actor in self._actors():
+            try:
+                ray.get(actor.release_lease.remote(), timeout=10)
+            except Exception:
+                pass
+
+
+@dataclass
+class TrafficPlan:
+    """The load every phase sends: the experiment's prompts and lengths, and how Locust is placed."""
+
+    cfg: RolloutConfig
+    model: str  # served model name
+
+    @property
+    def master_bind_host(self) -> str:
+        # workers on other nodes reach the master on the cluster's interface
+        return self.cfg.ray.bind_host if self.cfg.experiment.worker_placement != "local" else "127.0.0.1"
+
+    def fields(self) -> dict[str, Any]:
+        """The experiment's prompt source and lengths (TrafficOptions fields)."""
+        exp = self.cfg.experiment
+        return {
+            "dataset": exp.dataset,
+            "dataset_path": exp.dataset_path,
+            "input_tokens": exp.input_tokens,
+            "max_tokens": exp.max_tokens,
+            "endpoint": exp.endpoint,
+        }
+
+    def pinned(self, records: Path, **options: Any) -> TrafficOptions:
+        """The experiment's prompts and lengths (exact output lengths: ignore_eos) plus `options`."""
+        return TrafficOptions(**self.fields(), model=self.model, records=str(records), ignore_eos=True, **options)
+
+    def swarm_spec(self, host: str, traffic: TrafficOptions, users: int, run_time_s: int | None, log_dir: Path,
+                   **extra: Any) -> SwarmSpec:
+        exp = self.cfg.experiment
+        return SwarmSpec(
+            host=host,
+            traffic=traffic,
+            users=max(users, exp.workers, 1),
+            run_time_s=run_time_s,
+            n_workers=exp.workers,
+            web_ui=exp.web_ui,
+            web_port=exp.web_port,
+            log_dir=log_dir,
+            master_bind_host=self.master_bind_host,
+            **extra,
+        )
+
+
+@dataclass
+class RunContext:
+    """What every phase shares. Built by the controller; phases fill `result`."""
+
+    cfg: RolloutConfig
+    run_id: str
+    run_dir: Path
+    store: RunStore
+    result: RunResult
+    progress: Progress
+    cache_dir: Path
+    point: ResumePoint
+    namespace: str
+    engines: dict[str, EngineSpec] = field(default_factory=dict)
+    fleet: Fleet | None = None
+    router: RouterClient | None = None
+    canary_weight: float = 0.0
+    judged: bool = False  # the judgement is made (or restored): accuracy and experiment do not run again
+    experiment_capped: str | None = None  # the experiment hit max_duration_s before its plan
+    leased: dict[str, Any] = field(default_factory=dict)  # extra leased actors (the progressive load), by name
+    leases: LeaseKeeper | None = None
+
+    # -- facts -------------------------------------------------------------------
+    @property
+    def attempt(self) -> int:
+        return self.point.attempt
+
+    @property
+    def resuming(self) -> bool:
+        return self.point.resuming
+
+    @property
+    def served_model(self) -> str:
+        return self.engines[BASELINE].served_model_name
+
+    @property
+    def speculative_canary(self) -> bool:
+        return self.engines[CANARY].num_speculative_tokens > 0
+
+    @property
+    def traffic(self) -> TrafficPlan:
+        return TrafficPlan(self.cfg, self.served_model)
+
+    def replica_arms(self) -> dict[str, str]:
+        return {h.name: h.arm for h in self.fleet.replicas}
+
+    def leased_actors(self) -> list[Any]:
+        actors = [h.actor for h in self.fleet.replicas] if self.fleet is not None else []
+        if self.router is not None:
+            actors.append(self.router.actor)
+        return actors + list(self.leased.values())
+
+    # -- the run's log -----------------------------------------------------------
+    def say(self, message: str) -> None:
+        self.progress(f"[{time.strftime('%H:%M:%S')}] {message}")
+
+    def event(self, phase: str, event: str, reason: str = "") -> None:
+        entry = self.store.add_event(self.run_id, phase, event, reason, canary_weight=self.canary_weight)
+        self.result.timeline.append(entry)
+        self.store.update_run(self.run_id, phase=phase)
+
+    def set_canary_weight(self, weight: float, phase: str, reason: str) -> None:
+        self.router.set_canary_weight(weight)
+        self.canary_weight = weight
+        self.store.update_run(self.run_id, canary_weight=weight)
+        self.event(phase, "weights", f"canary {weight:g}%: {reason}")
+
+    def aborted(self, phase: str) -> bool:
+        """`mtp-canary abort RUN_ID` arrived: the decision is ROLLBACK (the canary never got traffic weight)."""
+        if self.store.take_command(self.run_id, accept=("abort",)) is None:
+            return False
+        self.result.decision = Decision.ROLLBACK
+        self.result.reason = f"aborted by command during {phase}"
+        self.say(f"{phase}: abort command received: rolling back")
+        self.event(phase, "abort", "abort command")
+        return True
+
+    def replicas_alive(self) -> dict[str, bool]:
+        """Replica name -> alive; a replica that does not answer in time is left out (no evidence)."""
+        alive = {}
+        for handle in self.fleet.replicas:
+            try:
+                alive[handle.name] = bool(ray.get(handle.actor.alive.remote(), timeout=10))
+            except ray.exceptions.GetTimeoutError:
+                continue
+            except ray.exceptions.RayError:
+                alive[handle.name] = False  # the actor itself is gone
+        return alive

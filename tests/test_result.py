@@ -1,0 +1,102 @@
+"""decision.json and report.md of recorded runs, read back into the typed result and written again.
+
+tests/data/recorded_runs/ holds the decision.json and report.md of six real runs (real vLLM CPU
+replicas through the whole controller: promote, bad drafts, broken canary, abort during accuracy,
+SIGINT, and a kill -9 mid-progressive then resume), recorded before the phase-runner redesign
+(machine paths replaced). Every key, value and type of each document must survive the typed
+RunResult (rollout.result) unchanged, and the report must be the same text: the redesign changed
+where the numbers are made, not what decision.json and report.md say.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+import yaml
+
+from rollout.config import parse_config
+from rollout.judge.verdicts import Decision
+from rollout.report import markdown_report
+from rollout.result import RunResult, decision_document
+from tests.conftest import REPO
+
+RECORDED = REPO / "tests" / "data" / "recorded_runs"
+RUNS = sorted(p.name for p in RECORDED.iterdir() if (p / "decision.json").exists())
+
+
+# what varies from run to run in the paths themselves: the probe's keys (layer counts it timed)
+VARIABLE_SUBTREES = ("prepare.tiny_model.",)
+
+
+def key_paths(value, prefix: str = "") -> set[str]:
+    """Every key path of a JSON document ("experiment.looks[].verdicts.tpot_p50_improvement"), values
+    aside (a list's items share one path; a null and a number are both just a value): two runs of
+    one config have the same paths whatever their numbers."""
+    paths: set[str] = set()
+    if isinstance(value, dict):
+        for key, item in value.items():
+            path = f"{prefix}{key}"
+            if not path.startswith(VARIABLE_SUBTREES):
+                paths |= {path} | key_paths(item, f"{path}.")
+    elif isinstance(value, list):
+        for item in value:
+            paths |= key_paths(item, f"{prefix.rstrip('.')}[].")
+    return paths
+
+
+def recorded_document(run: str) -> dict:
+    return json.loads((RECORDED / run / "decision.json").read_text())
+
+
+def config_of(doc: dict):
+    """A config with the recorded run's name and gates (all decision.json shows of the config)."""
+    data = yaml.safe_load((REPO / "configs" / "local-cpu.yaml").read_text())
+    data.update(name=doc["name"], gates=doc["gates_config"])
+    return parse_config(data)
+
+
+def test_the_recorded_runs_cover_every_decision_and_phase():
+    docs = [json.loads((RECORDED / run / "decision.json").read_text()) for run in RUNS]
+    assert len(RUNS) == 6
+    assert {d["decision"] for d in docs} == {"promote", "rollback", None}
+    for section in ("preflight", "accuracy", "experiment", "progressive"):
+        assert any(d[section] for d in docs), section
+    assert any(d["experiment"].get("sweep") for d in docs)
+    assert any(d["error"] for d in docs)
+
+
+@pytest.mark.parametrize("run", RUNS)
+def test_a_recorded_decision_document_survives_the_typed_result(run):
+    doc = json.loads((RECORDED / run / "decision.json").read_text())
+    result = RunResult.from_document(doc, config_of(doc), Path("/tmp") / run)
+    # typed, not dicts: a phase that changes a shape fails here, not in a user's pipeline
+    assert result.decision is None or isinstance(result.decision, Decision)
+    again = decision_document(result)
+    assert json.dumps(again, sort_keys=True) == json.dumps(doc, sort_keys=True)
+
+
+@pytest.mark.parametrize("run", RUNS)
+def test_a_recorded_report_is_written_again_word_for_word(run):
+    doc = json.loads((RECORDED / run / "decision.json").read_text())
+    result = RunResult.from_document(doc, config_of(doc), Path("/tmp") / run)
+    assert markdown_report(decision_document(result)) == (RECORDED / run / "report.md").read_text()
+
+
+def test_unknown_keys_in_a_phase_summary_are_refused():
+    doc = json.loads((RECORDED / "promote" / "decision.json").read_text())
+    doc["experiment"]["no_such_key"] = 1
+    with pytest.raises(ValueError, match="no_such_key"):
+        RunResult.from_document(doc, config_of(doc), Path("/tmp/promote"))
+
+
+def test_key_paths_see_a_moved_or_missing_key_but_not_other_numbers():
+    doc = recorded_document("promote")
+    other = json.loads(json.dumps(doc))
+    other["experiment"]["duty_cycle"] = 0.5
+    other["experiment"]["looks"].append(dict(other["experiment"]["looks"][0]))
+    assert key_paths(other) == key_paths(doc)
+    for look in other["experiment"]["looks"]:
+        del look["information"]
+    assert "experiment.looks[].information" in key_paths(doc) - key_paths(other)
