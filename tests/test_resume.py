@@ -154,7 +154,10 @@ def _config(tmp_path: Path, address: str) -> Path:
     config = yaml.safe_load((REPO / "configs/examples/local-progressive.yaml").read_text())
     config["name"] = "resume"
     config["ray"] = {"address": address}
-    config["lease_s"] = 60
+    # The replicas must outlive the killed controller until `resume` adopts them. CI saw 40-80 s
+    # between the kill and the resumed controller's first line (a cold `status` and `resume`
+    # start) lapse a 60 s lease; at a quarter of this machine's speed that gap is longer still.
+    config["lease_s"] = 240
     config["accuracy"]["enabled"] = False  # the steps are the only judge: the test is about the rollout
     config["experiment"]["enabled"] = False
     config["progressive"]["steps"] = [{"canary_weight": 10, "bake_s": 20}, {"canary_weight": 50, "bake_s": 20},
@@ -208,6 +211,7 @@ def test_kill_9_mid_rollout_then_resume_reaches_a_decision_with_every_record_onc
     assert _windows_of_step(db, "crash", 1), (tmp_path / "first.log").read_text()[-3000:]
     time.sleep(1)
     first.send_signal(signal.SIGKILL)
+    killed_at = time.monotonic()
     first.wait(30)
     log.close()
 
@@ -218,11 +222,13 @@ def test_kill_9_mid_rollout_then_resume_reaches_a_decision_with_every_record_onc
     assert doc["status"] == "running" and doc["controller_alive"] is False and doc["step"] == 2
     assert len([p for p in server_processes() if "api_server" in " ".join(p.cmdline())]) == 2
 
+    resume_after_s = time.monotonic() - killed_at
     resumed = subprocess.run([sys.executable, "-m", "rollout", "resume", "crash", "--runs-dir", str(runs)],
                              cwd=REPO, capture_output=True, text=True, timeout=900, env=env)
     print(resumed.stdout[-6000:], resumed.stderr[-3000:])
     assert resumed.returncode == 0, resumed.stdout[-3000:] + resumed.stderr[-2000:]
-    assert "fleet: reattached 2 running replica(s)" in resumed.stdout
+    gap = f"resume started {resume_after_s:.0f} s after the kill (lease 240 s)"
+    assert "fleet: reattached 2 running replica(s)" in resumed.stdout, gap
     assert "router: reattached" in resumed.stdout
     assert "resuming after step 1 of 3" in resumed.stdout
 

@@ -105,8 +105,10 @@ class StepRunner:
     # -- steps ----------------------------------------------------------------------
     def run_step(self, i: int, step: RolloutStep) -> list[GateResult]:
         ctx, n_steps, windows = self.ctx, len(self.cfg.steps), self.windows
-        counts_before = ctx.router.request_counts(with_rejected=False)
         ctx.set_canary_weight(step.canary_weight, f"step {i + 1}/{n_steps}")
+        # read after the switch returned: every request counted from here on was routed at this
+        # step's weight (read before it, one routed in between at the old weight was counted here)
+        counts_before = ctx.router.request_counts(with_rejected=False)
         step_started = time.time()
         # 1-based, as the progress lines and `status` show it.
         ctx.store.update_run(ctx.run_id, step=i + 1, canary_weight=step.canary_weight)
