@@ -24,12 +24,20 @@ $(VENV)/.installed: pyproject.toml
 	$(PY) -m locust --version
 	touch $@
 
+# Two passes: the tests without vLLM run on TEST_WORKERS pytest-xdist workers (mostly waits
+# on windows, sockets and processes; a module stays on one worker, its fixtures set up once),
+# then the vLLM tests one at a time (each gets the cores its replicas are pinned to). Both
+# passes always run; the exit status is non-zero if either failed.
+TEST_WORKERS ?= 2
 test: venv
-	$(PY) -m pytest -ra $(PYTEST_ARGS)
+	@rc=0; \
+	$(PY) -m pytest -ra -m "not vllm" -n $(TEST_WORKERS) --dist loadfile $(PYTEST_ARGS) || rc=$$?; \
+	$(PY) -m pytest -ra -m vllm $(PYTEST_ARGS) || rc=$$?; \
+	exit $$rc
 
 # Everything but the tests that start real vLLM servers.
 test-fast: venv
-	$(PY) -m pytest -ra -m "not vllm" $(PYTEST_ARGS)
+	$(PY) -m pytest -ra -m "not vllm" -n $(TEST_WORKERS) --dist loadfile $(PYTEST_ARGS)
 
 demo: venv
 	$(PY) -m rollout run configs/local-cpu.yaml --runs-dir $(RUNS_DIR)

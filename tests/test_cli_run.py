@@ -146,10 +146,15 @@ def test_bad_config_exits_2_with_one_line_and_starts_nothing(tmp_path):
 def test_sigint_mid_run_leaves_no_vllm_locust_or_ray_process(tmp_path):
     runs = tmp_path / "runs"
     log = tmp_path / "out.log"
+    # the default config without its accuracy phase: the experiment's load (what has the most
+    # processes to stop: replicas, router, Locust master and workers) flows sooner
+    data = yaml.safe_load((REPO / "configs" / "local-cpu.yaml").read_text())
+    data["accuracy"]["enabled"] = False
+    config = tmp_path / "no-accuracy.yaml"
+    config.write_text(yaml.safe_dump(data))
     with open(log, "w") as out:
         proc = subprocess.Popen(
-            [sys.executable, "-m", "rollout", "run", "configs/local-cpu.yaml", "--runs-dir", str(runs), "--run-id", "intr",
-             "--eval-limit", "16", *LOCAL_RAY],
+            [sys.executable, "-m", "rollout", "run", str(config), "--runs-dir", str(runs), "--run-id", "intr", *LOCAL_RAY],
             cwd=REPO, stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
             env={**os.environ, "PYTHONUNBUFFERED": "1"},
         )
