@@ -100,10 +100,14 @@ LoadRunner = ray.remote(num_cpus=0, max_restarts=0, max_concurrency=4)(LoadRunne
 
 
 def start_load_runner(
-    spec: SwarmSpec, name: str | None = None, namespace: str | None = None, placement: str = "local"
+    spec: SwarmSpec, name: str | None = None, namespace: str | None = None, placement: str = "local",
+    lease_s: float | None = None,
 ) -> Any:
     """A LoadRunner running `spec` on this node (named and detached when `name` is given); its
-    workers are local processes, or Ray actors placed by `placement` (see cluster.process)."""
+    workers are local processes, or Ray actors placed by `placement` (see cluster.process).
+
+    With `lease_s` the lease is taken before anything is waited on: a caller that dies while
+    the constructor runs leaves a detached actor that still ends itself one lease later."""
     options: dict[str, Any] = {
         "scheduling_strategy": NodeAffinitySchedulingStrategy(node_id=ray.get_runtime_context().get_node_id(), soft=False)
     }
@@ -112,8 +116,14 @@ def start_load_runner(
         if namespace:
             options["namespace"] = namespace
     actor = LoadRunner.options(**options).remote(spec.model_dump(mode="json"), placement)
+    if lease_s:
+        actor.renew_lease.remote(lease_s)  # queued before the state call below: runs first
     # wait for the constructor: a spec the actor cannot run fails here, not at the first poll
-    ray.get(actor.state.remote(), timeout=60)
+    try:
+        ray.get(actor.state.remote(), timeout=60)
+    except BaseException:
+        ray.kill(actor)  # never a detached load nobody holds
+        raise
     return actor
 
 

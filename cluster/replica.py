@@ -219,6 +219,20 @@ class VLLMReplicaServer:
     def alive(self) -> bool:
         return self._proc is not None and self._proc.poll() is None and self._healthy()
 
+    def liveness(self, timeout_s: float = 5.0) -> bool | None:
+        """True: serving. False: dead (the server exited, or /health refused or not 200).
+        None: no answer within timeout_s, which a replica busy on shared cores can also give:
+        no evidence of a death (a stalled server shows in its requests' errors instead)."""
+        if self._proc is None or self._proc.poll() is not None:
+            return False
+        local = "127.0.0.1" if self.host in ("0.0.0.0", "::") else self.host
+        try:
+            return requests.get(f"http://{local}:{self._port}/health", timeout=timeout_s).status_code == 200
+        except requests.Timeout:
+            return None
+        except requests.RequestException:
+            return False
+
     def engine_warnings(self) -> list[str]:
         """Distinct WARNING messages of the server log, notable ones first."""
         seen: dict[str, None] = {}

@@ -28,6 +28,7 @@ sequential tests need one unbroken sequence of looks).
 from __future__ import annotations
 
 import time
+import traceback
 import uuid
 from pathlib import Path
 
@@ -37,6 +38,7 @@ from cluster.arms import CANARY
 from cluster.fleet import FleetStartError
 from cluster.ray_cluster import kill_quietly
 from loadtests.swarm import SwarmError
+from rollout.atomic_file import write_atomically
 from rollout.config import RolloutConfig
 from rollout.judge.verdicts import Decision
 from rollout.phases.accuracy import Accuracy
@@ -86,7 +88,7 @@ class Controller:
             cfg=config, run_id=run_id, run_dir=runs_dir / run_id, store=store, result=result, progress=progress,
             cache_dir=cache_dir, point=point, namespace=run_namespace(run_id),
         )
-        self.ctx.leases = LeaseKeeper(config.lease_s, self.ctx.leased_actors)
+        self.ctx.leases = LeaseKeeper(config.lease_s, self.ctx.leased_actors, heartbeat=self._heartbeat)
 
     @property
     def run_id(self) -> str:
@@ -100,26 +102,48 @@ class Controller:
         ctx = self.ctx
         ctx.run_dir.mkdir(parents=True, exist_ok=True)
         self._open()
+        completed = False
         try:
             for phase in PHASES:
                 if phase.enabled(ctx):
                     phase.run(ctx)
+            completed = True
         except (InfrastructureError, FleetStartError, SwarmError) as exc:
-            ctx.result.error = str(exc)
-            ctx.say(f"infrastructure error: {exc}")
-            ctx.event("error", "infrastructure_error", str(exc).splitlines()[0])
-            if ctx.router is not None and ctx.canary_weight > 0:
-                # No verdict means the stable config serves: traffic back to baseline.
-                ctx.set_canary_weight(0.0, "error", "infrastructure error")
+            self._fail(str(exc))
         except KeyboardInterrupt:
             ctx.result.error = "interrupted"
             ctx.event("error", "interrupted", "SIGINT")
             raise
+        except Exception as exc:
+            # Fail closed: whatever else broke (a Ray actor that died, a bug) is an error of the
+            # run, never a verdict, even after a committed PROMOTE (its later phases did not run).
+            ctx.say("unexpected error:\n" + "".join(traceback.format_exception(exc)).rstrip())
+            self._fail(f"unexpected {type(exc).__name__}: {exc}")
         finally:
             ctx.leases.stop()
             self._teardown()
-            self._record_end()
+            self._record_end(completed)
         return ctx.result
+
+    def _fail(self, error: str) -> None:
+        """End the run as an infrastructure error: no verdict, so the stable config serves."""
+        ctx = self.ctx
+        ctx.result.error = error
+        ctx.say(f"infrastructure error: {error}")
+        ctx.event("error", "infrastructure_error", error.splitlines()[0] if error else "")
+        if ctx.router is not None and ctx.canary_weight > 0:
+            try:
+                ctx.set_canary_weight(0.0, "error", "infrastructure error")
+            except Exception as exc:  # the router itself may be what broke
+                ctx.say(f"infrastructure error: could not send the traffic back to baseline: {type(exc).__name__}: {exc}")
+
+    def _heartbeat(self) -> None:
+        # the keeper's thread: a connection of its own (sqlite3 objects stay in their thread)
+        store = RunStore(self.ctx.store.path)
+        try:
+            store.heartbeat(self.ctx.run_id)
+        finally:
+            store.close()
 
     # -- the run's row -----------------------------------------------------------
     def _open(self) -> None:
@@ -156,38 +180,44 @@ class Controller:
             ctx.fleet.teardown()
             ctx.fleet = None
 
-    def _record_end(self) -> None:
+    def _record_end(self, completed: bool) -> None:
         ctx, result = self.ctx, self.ctx.result
         result.timings["total_s"] = time.time() - result.started_at
-        if result.decision == Decision.PROMOTE and result.error is None:
-            self._write_promoted()
-        paths = write_reports(result)
+        if result.decision is not None and result.error is None and not completed:
+            result.error = "the run ended before its last phase"  # never a verdict on a partial run
+        promoted = result.decision == Decision.PROMOTE and result.error is None
+        model = ctx.store.run(ctx.run_id)["model"]
         decision = result.decision.value if result.decision else None
-        ctx.store.update_run(
+        # The store first, in one transaction with the stable mark: once decision.json exists
+        # (what a pipeline reads) the run is decided for `resume` too, never decided twice.
+        ctx.store.finish_run(
             ctx.run_id,
             status="error" if result.error else "done",
             decision=None if result.error else decision,
             exit_code=result.exit_code,
             reason=result.error or result.reason,
+            stable=(model, ctx.result.arms[CANARY]["engine"]) if promoted else None,
         )
+        if promoted:
+            self._write_promoted(model)
+        paths = write_reports(result)
         ctx.say(f"report: {paths['decision']} and {paths['report']}")
         if ctx.cfg.webhook_url:
             outcome = post_decision(ctx.cfg.webhook_url, decision_document(result))
             state = f"delivered (HTTP {outcome.status})" if outcome.ok else f"not delivered: {outcome.error}"
             ctx.say(f"webhook: {ctx.cfg.webhook_url}: {state} after {outcome.attempts} attempt(s)")
 
-    def _write_promoted(self) -> None:
-        """The canary's arm becomes the stable one: promoted.yaml is an arm spec a later run can use as baseline."""
+    def _write_promoted(self, model: str) -> None:
+        """The canary's arm is the stable one (the store says so): promoted.yaml is an arm spec a later run can use as baseline."""
         ctx = self.ctx
         canary = ctx.cfg.canary.model_dump(mode="json", exclude_none=True)
         if ctx.cfg.canary.tiny_model is None:
             canary.pop("tiny_model", None)
         promoted = {"promoted_from_run": ctx.run_id, "baseline": canary}
         path = ctx.run_dir / "promoted.yaml"
-        path.write_text(
+        write_atomically(
+            path,
             "# The promoted (now stable) arm of run " + ctx.run_id + ": paste under `baseline:` of the next run.\n"
-            + yaml.safe_dump(promoted, sort_keys=False)
+            + yaml.safe_dump(promoted, sort_keys=False),
         )
-        model = ctx.store.run(ctx.run_id)["model"]
-        ctx.store.mark_stable(model, ctx.run_id, ctx.result.arms[CANARY]["engine"])
         ctx.event("decide", "stable", f"{path.name} written; stable config for {model}")

@@ -7,6 +7,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+from rollout.atomic_file import write_atomically
 from rollout.load_sweep import sweep_table
 from rollout.result import RunResult, decision_document
 
@@ -174,9 +175,6 @@ def write_reports(result: RunResult) -> dict[str, Path]:
     doc = decision_document(result)
     decision_path = run_dir / "decision.json"
     report_path = run_dir / "report.md"
-    # Write-then-rename: a pipeline polling for decision.json never reads half a file.
-    tmp = decision_path.with_suffix(".json.tmp")
-    tmp.write_text(json.dumps(doc, indent=2, default=str))
-    tmp.replace(decision_path)
-    report_path.write_text(markdown_report(doc))
+    write_atomically(decision_path, json.dumps(doc, indent=2, default=str))
+    write_atomically(report_path, markdown_report(doc))
     return {"decision": decision_path, "report": report_path}

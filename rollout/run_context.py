@@ -47,17 +47,30 @@ class LeaseKeeper:
     router and load do not outlive it by more than one lease unless a resumed controller adopts them.
     """
 
-    def __init__(self, lease_s: float, actors: Callable[[], list[Any]]) -> None:
+    def __init__(self, lease_s: float, actors: Callable[[], list[Any]],
+                 heartbeat: Callable[[], None] | None = None) -> None:
         self.lease_s = lease_s
         self._actors = actors
+        self._heartbeat = heartbeat  # the controller's sign of life in the store (resume from another host)
         self._stop = threading.Event()
         self._thread: threading.Thread | None = None
 
     def renew(self) -> None:
-        for actor in self._actors():
+        # nothing here may end the keeper's thread: a keeper that stops renewing ends the run's
+        # actors one lease later, under a controller that still lives
+        try:
+            actors = self._actors()
+        except Exception:
+            actors = []
+        for actor in actors:
             try:
                 actor.renew_lease.remote(self.lease_s)
             except Exception:  # a dead actor: the health checks say so
+                pass
+        if self._heartbeat is not None:
+            try:
+                self._heartbeat()
+            except Exception:  # a locked or vanished store: the next beat tries again
                 pass
 
     def start(self) -> None:
@@ -207,13 +220,17 @@ class RunContext:
         return True
 
     def replicas_alive(self) -> dict[str, bool]:
-        """Replica name -> alive; a replica that does not answer in time is left out (no evidence)."""
-        alive = {}
+        """Replica name -> alive; a replica (or actor) that does not answer in time is left out (no evidence)."""
+        alive: dict[str, bool] = {}
+        if self.fleet is None:
+            return alive
         for handle in self.fleet.replicas:
             try:
-                alive[handle.name] = bool(ray.get(handle.actor.alive.remote(), timeout=10))
+                answer = ray.get(handle.actor.liveness.remote(), timeout=10)
             except ray.exceptions.GetTimeoutError:
                 continue
             except ray.exceptions.RayError:
-                alive[handle.name] = False  # the actor itself is gone
+                answer = False  # the actor itself is gone
+            if answer is not None:
+                alive[handle.name] = bool(answer)
         return alive

@@ -87,6 +87,7 @@ ADDED_COLUMNS = (
     ("runs", "step", "INTEGER"),  # progressive phase: index of the current step (0-based)
     ("runs", "canary_weight", "REAL"),  # the canary's traffic weight (percent) as last set
     ("runs", "controller", "TEXT"),  # host:pid of the process controlling the run (resume checks it is gone)
+    ("runs", "heartbeat_at", "REAL"),  # the controller's last sign of life (time.time()): seen from any host
 )
 
 COMMANDS = ("promote", "abort")
@@ -96,13 +97,22 @@ def controller_identity() -> str:
     return f"{socket.gethostname()}:{os.getpid()}"
 
 
-def controller_alive(identity: str | None) -> bool | None:
-    """Whether the process named by `controller_identity()` still runs (None: another host, cannot tell)."""
+def controller_alive(
+    identity: str | None, heartbeat_at: float | None = None, stale_after_s: float | None = None
+) -> bool | None:
+    """Whether the process named by `controller_identity()` still runs.
+
+    On this host the pid answers. On another host only the heartbeat can: alive while it is
+    fresher than `stale_after_s`, gone once older; None (cannot tell) without one. A caller
+    must treat None as alive: two controllers on one fleet tear each other's fleet down.
+    """
     if not identity or ":" not in identity:
         return None
     host, _, pid = identity.rpartition(":")
     if host != socket.gethostname():
-        return None
+        if heartbeat_at is None or stale_after_s is None:
+            return None
+        return time.time() - heartbeat_at < stale_after_s
     try:
         os.kill(int(pid), 0)
     except ProcessLookupError:
@@ -164,7 +174,8 @@ class RunStore:
             raise ValueError(f"run id {run_id!r} already exists in {self.path}") from None
 
     def update_run(self, run_id: str, **fields: Any) -> None:
-        allowed = {"status", "phase", "decision", "exit_code", "reason", "step", "canary_weight", "controller"}
+        allowed = {"status", "phase", "decision", "exit_code", "reason", "step", "canary_weight", "controller",
+                   "heartbeat_at"}
         unknown = set(fields) - allowed
         if unknown:
             raise ValueError(f"unknown run fields {sorted(unknown)}")
@@ -173,6 +184,45 @@ class RunStore:
             f"UPDATE runs SET {assignments}, updated_at = ? WHERE run_id = ?",
             (*fields.values(), time.time(), run_id),
         )
+
+    def claim(self, run_id: str, identity: str, previous: str | None) -> bool:
+        """Make `identity` the run's controller if `previous` still is (compare and set).
+
+        Two `resume`s started at once both see the dead controller; only one may take the run."""
+        with self._db:
+            self._db.execute("BEGIN IMMEDIATE")
+            cursor = self._db.execute(
+                "UPDATE runs SET controller = ?, status = 'running', heartbeat_at = ?, updated_at = ?"
+                " WHERE run_id = ? AND controller IS ?",
+                (identity, time.time(), time.time(), run_id, previous),
+            )
+            self._db.execute("COMMIT")
+        return cursor.rowcount == 1
+
+    def heartbeat(self, run_id: str) -> None:
+        """The controller is alive (what `resume` and `status` on another host go by)."""
+        self._tx("UPDATE runs SET heartbeat_at = ? WHERE run_id = ?", (time.time(), run_id))
+
+    def finish_run(self, run_id: str, status: str, decision: str | None, exit_code: int, reason: str,
+                   stable: tuple[str, dict[str, Any]] | None = None) -> None:
+        """The run's end in one transaction: its status and, for a promotion, the new stable config.
+
+        Together or not at all: a crash between them would leave a stable canary on a run that
+        `resume` decides again, or a decided run whose promotion was never recorded."""
+        now = time.time()
+        with self._db:
+            self._db.execute("BEGIN IMMEDIATE")
+            self._db.execute(
+                "UPDATE runs SET status = ?, decision = ?, exit_code = ?, reason = ?, updated_at = ? WHERE run_id = ?",
+                (status, decision, exit_code, reason, now, run_id),
+            )
+            if stable is not None:
+                model, engine = stable
+                self._db.execute(
+                    "INSERT INTO stable (model, run_id, engine_json, time) VALUES (?, ?, ?, ?)",
+                    (model, run_id, json.dumps(engine), now),
+                )
+            self._db.execute("COMMIT")
 
     def run(self, run_id: str) -> dict[str, Any] | None:
         row = self._db.execute("SELECT * FROM runs WHERE run_id = ?", (run_id,)).fetchone()
@@ -183,11 +233,13 @@ class RunStore:
 
     # -- events ------------------------------------------------------------------
     def add_event(self, run_id: str, phase: str, event: str, reason: str = "", canary_weight: float | None = None) -> dict:
-        row = self._db.execute("SELECT COALESCE(MAX(seq), 0) + 1 FROM events WHERE run_id = ?", (run_id,)).fetchone()
         entry = {"time": time.time(), "phase": phase, "canary_weight": canary_weight, "event": event, "reason": reason}
+        # the next seq is taken inside the INSERT: two writers (a controller and a CLI command,
+        # or two processes on one run) never read the same MAX(seq) and collide
         self._tx(
-            "INSERT INTO events (run_id, seq, time, phase, canary_weight, event, reason) VALUES (?, ?, ?, ?, ?, ?, ?)",
-            (run_id, row[0], entry["time"], phase, canary_weight, event, reason),
+            "INSERT INTO events (run_id, seq, time, phase, canary_weight, event, reason)"
+            " SELECT ?, COALESCE(MAX(seq), 0) + 1, ?, ?, ?, ?, ? FROM events WHERE run_id = ?",
+            (run_id, entry["time"], phase, canary_weight, event, reason, run_id),
         )
         return entry
 

@@ -27,6 +27,7 @@ from rollout.config import ExperimentConfig
 from rollout.judge.config import GatesConfig
 from rollout.judge.verdicts import Verdict
 from rollout.phases.experiment_loop import LOAD_STOP_TIMEOUT_S, ExperimentContext, ExperimentPhase, LookPlan, duty_cycle
+from rollout.run_context import InfrastructureError
 from rollout.store import RunStore
 
 
@@ -92,7 +93,8 @@ def routed(baseline_url: str, canary_url: str):
         ray.kill(router)
 
 
-def run_phase(tmp_path, router, router_url, exp: ExperimentConfig, gates: GatesConfig, web_port: int | None = None):
+def run_phase(tmp_path, router, router_url, exp: ExperimentConfig, gates: GatesConfig, web_port: int | None = None,
+              replicas_alive=lambda: {}):
     store = RunStore(tmp_path / "history.db")
     store.create_run("exp", "test", "target", {})
     out = tmp_path / "experiment"
@@ -110,7 +112,7 @@ def run_phase(tmp_path, router, router_url, exp: ExperimentConfig, gates: GatesC
         ExperimentContext(
             run_id="exp", config=exp, gates=gates, store=store, swarm_spec=spec, placement="local",
             scrape=lambda: {}, replica_arms={}, router=RouterClient(router, router_url), speculative_canary=False,
-            say=lines.append, event=lambda event, reason: None, aborted=lambda: False,
+            say=lines.append, event=lambda event, reason: None, aborted=lambda: False, replicas_alive=replicas_alive,
         )
     )
     return phase.run(), store, lines
@@ -190,6 +192,28 @@ def test_the_wall_clock_cap_ends_the_phase_with_the_counts_in_the_reason(local_r
     assert f"baseline {judged['baseline']}, canary {judged['canary']} completed requests" in reason
     assert outcome.summary["information"] < 1.0
     assert verdicts(outcome)["tpot_p50_improvement"] != Verdict.PASS
+
+
+def test_a_replica_that_dies_mid_phase_ends_it_as_an_error_naming_it_with_its_records_kept(local_ray, tmp_path):
+    exp = ExperimentConfig(requests_per_look=100, requests_per_arm=3000, window_s=1, users_per_replica=3, max_tokens=12,
+                           max_duration_s=240, workers=1, worker_placement="local")
+    with TargetProcess(ttft_ms=20, tpot_ms=20) as baseline, TargetProcess(ttft_ms=20, tpot_ms=10) as canary:
+        servers = {"baseline-0": baseline._process, "canary-0": canary._process}
+
+        def alive() -> dict[str, bool]:  # what the replica actors' liveness says: the server process
+            return {name: proc.poll() is None for name, proc in servers.items()}
+
+        killer = threading.Timer(3.0, servers["baseline-0"].kill)
+        killer.start()
+        try:
+            with routed(baseline.url, canary.url) as (router, url):
+                with pytest.raises(InfrastructureError, match="replica baseline-0 died"):
+                    run_phase(tmp_path, router, url, exp, GATES, replicas_alive=alive)
+        finally:
+            killer.cancel()
+    # what arrived before the death is kept (a post-mortem has it), not judged into a verdict
+    store = RunStore(tmp_path / "history.db")
+    assert store.count_request_samples("exp", "experiment") > 0
 
 
 def test_the_web_ui_stays_at_one_url_from_the_first_look_to_the_last(local_ray, tmp_path):

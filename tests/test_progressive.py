@@ -293,3 +293,44 @@ def test_a_second_attempt_continues_the_numbering_and_stores_leftovers_once(tmp_
     assert windows == sorted(set(windows)) and windows[-1] > last_window + 1
     assert "recovered" in [e for e, _ in h.events()]
     assert wait_gone(lambda: locust_processes(str(tmp_path))) == []
+
+
+class SteppedBackClock:
+    """The controller's wall clock stepped back one hour (NTP) once `after_s` have passed;
+    monotonic time and sleep are the real ones."""
+
+    def __init__(self, after_s: float) -> None:
+        self._t0 = time.monotonic()
+        self._after_s = after_s
+        self.monotonic = time.monotonic
+        self.sleep = time.sleep
+
+    def time(self) -> float:
+        stepped = time.monotonic() - self._t0 > self._after_s
+        return time.time() - (3600.0 if stepped else 0.0)
+
+
+def test_a_wall_clock_stepped_back_neither_holds_a_window_open_nor_a_pause(tmp_path, router, targets, monkeypatch):
+    from rollout.phases import progressive_steps, progressive_windows
+
+    clock = SteppedBackClock(after_s=3.0)
+    monkeypatch.setattr(progressive_windows, "time", clock)
+    monkeypatch.setattr(progressive_steps, "time", clock)
+    config = fast_config([{"canary_weight": 20, "bake_s": 4, "pause": True}, {"canary_weight": 60, "bake_s": 2}],
+                         pause_timeout_s=4)
+    done: list = []
+
+    def run() -> None:  # the harness (its SQLite connection) made in the thread that uses it
+        h = fast_harness(tmp_path, router, targets, run_id="clock")
+        done.append(run_progressive(h.context(config, "stream-target", speculative=False)))
+
+    phase = threading.Thread(target=run, daemon=True)
+    started = time.monotonic()
+    phase.start()
+    phase.join(180)  # windows of 2 s and a 4 s pause; a clock-driven loop would wait an hour
+    assert done, "the phase was still waiting on the wall clock"
+    outcome = done[0]
+    # the unanswered pause timed out on monotonic time: rolled back after the first step's windows
+    assert outcome.decision == Decision.ROLLBACK and "timed out" in outcome.reason, outcome.reason
+    assert outcome.windows >= 2 and time.monotonic() - started < 180
+    assert wait_gone(lambda: locust_processes(str(tmp_path))) == []

@@ -15,6 +15,7 @@ from rollout.evals import EvalItem, EvalSpec, ItemOutcome, evaluate_batch, load_
 from rollout.judge.accuracy import judge_accuracy, judge_divergence
 from rollout.judge.verdicts import GateResult, Verdict, is_enabled
 from rollout.phases.decide import decide_now
+from rollout.phases.replica_watch import ReplicaWatch
 from rollout.result import AccuracySummary
 from rollout.run_context import InfrastructureError, RunContext
 
@@ -94,12 +95,14 @@ class Accuracy:
         batch_size = ctx.cfg.accuracy.batch_size
         look = 0
         accuracy_gate = divergence_gate = None
+        watch = ReplicaWatch("accuracy", ctx.replicas_alive)
         for start in range(0, len(items), batch_size):
             batch = items[start : start + batch_size]
             got = evaluate_batch(ctx.router.url, ctx.served_model, batch, arms, spec)
             for arm in arms:
                 outcomes[arm].extend(got[arm])
                 ctx.store.add_eval_outcomes(ctx.run_id, got[arm])
+            watch.confirm()  # a batch answered by the survivors of a dead replica is not judged
             look += 1
             last = start + len(batch) >= len(items)
             accuracy_gate, divergence_gate = judge_outcomes(ctx, outcomes, interim=not last)

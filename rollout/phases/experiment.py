@@ -62,6 +62,7 @@ class Experiment:
                 say=ctx.say,
                 event=lambda event, reason: ctx.event("experiment", event, reason),
                 aborted=lambda: ctx.aborted("experiment"),
+                replicas_alive=ctx.replicas_alive,
             )
         ).run()
         ctx.experiment_capped = outcome.capped_reason

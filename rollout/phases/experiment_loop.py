@@ -43,6 +43,7 @@ from rollout.judge.acceptance import judge_acceptance
 from rollout.judge.config import GatesConfig
 from rollout.judge.latency import LatencySamples, judge_latency
 from rollout.judge.verdicts import GateResult, Verdict, is_final
+from rollout.phases.replica_watch import ReplicaWatch
 from rollout.store import RunStore
 
 PHASE = "experiment"
@@ -142,6 +143,8 @@ class ExperimentContext:
     say: Callable[[str], None]
     event: Callable[[str, str], None]
     aborted: Callable[[], bool]
+    # replica name -> alive (a name left out: no evidence); a confirmed death ends the phase
+    replicas_alive: Callable[[], dict[str, bool]] = lambda: {}
 
 
 @dataclass
@@ -168,6 +171,7 @@ class ExperimentPhase:
         self.unscraped: set[str] = set()
         self.metrics_start: dict[str, MetricsSnapshot] = {}
         self._last_look_wall: float | None = None
+        self.watch = ReplicaWatch(PHASE, ctx.replicas_alive)
 
     @property
     def arms(self) -> tuple[str, str]:
@@ -200,8 +204,11 @@ class ExperimentPhase:
                 if ctx.aborted():
                     aborted = True
                     break
+                self.watch.tick(now)
+                self.watch.check()
                 capped = now - started >= plan.max_duration_s
                 if plan.look_due(new, totals, now - last_look_at) or (capped and any(new.values())):
+                    self.watch.confirm()  # never a look over the survivors of a replica seen down
                     last_look_at = now
                     final = self._look(plan.information(totals))
                     if final:

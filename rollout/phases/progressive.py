@@ -101,9 +101,9 @@ class Progressive:
     def _start_load(ctx: RunContext, spec) -> Any:
         """The progressive load's LoadRunner: named per attempt, detached, leased."""
         name = load_name(ctx.attempt)
-        actor = start_load_runner(spec, name=name, namespace=ctx.namespace, placement=ctx.cfg.experiment.worker_placement)
+        actor = start_load_runner(spec, name=name, namespace=ctx.namespace, placement=ctx.cfg.experiment.worker_placement,
+                                  lease_s=ctx.cfg.lease_s)
         ctx.leased[name] = actor
-        actor.renew_lease.remote(ctx.cfg.lease_s)
         return actor
 
     @staticmethod

@@ -153,7 +153,7 @@ class StepRunner:
 
     def pause(self, i: int, step: RolloutStep) -> None:
         ctx, cfg, windows = self.ctx, self.cfg, self.windows
-        deadline = time.time() + cfg.pause_timeout_s
+        deadline = time.monotonic() + cfg.pause_timeout_s  # monotonic: a clock step neither ends nor extends it
         ctx.event("pause", f"after step {i + 1} (canary {step.canary_weight:g}%): waiting up to {cfg.pause_timeout_s:g} s "
                   f"for `mtp-canary promote|abort {ctx.run_id}`")
         self.say(f"PAUSED after step {i + 1}: `mtp-canary promote {ctx.run_id}` continues, `mtp-canary abort {ctx.run_id}` "
@@ -161,15 +161,15 @@ class StepRunner:
 
         def promote_or_timeout() -> str | None:
             got = ctx.store.take_command(ctx.run_id, accept=("promote",))
-            if got is None and time.time() >= deadline:
+            if got is None and time.monotonic() >= deadline:
                 return "timeout"
             return got
 
         while True:
             window = windows.new_window(i, step.canary_weight, paused=True)
-            window.end = min(window.end, max(deadline, window.start + TICK_S))
+            window.end = window.start + min(window.length_s, max(deadline - window.opened, TICK_S))
             command = windows.run_window(window, stop_on_command=promote_or_timeout)
-            if command is None and time.time() >= deadline:
+            if command is None and time.monotonic() >= deadline:
                 command = "timeout"
             if command == "promote":
                 ctx.event("resume", f"promote command: continuing after step {i + 1}")

@@ -59,10 +59,20 @@ class Window:
     index: int
     step: int  # 0-based step index
     weight: float
-    start: float  # wall clock
-    end: float  # nominal end
+    start: float  # wall clock (what records' sent_at are compared with)
+    end: float  # nominal end, wall clock
     paused: bool = False
     records: list[RequestRecord] = field(default_factory=list)
+    # time.monotonic() at the start: the loop waits by elapsed monotonic time, so a wall clock
+    # stepped back (NTP) cannot hold a window open, nor one stepped forward close it at once
+    opened: float = field(default_factory=time.monotonic)
+
+    @property
+    def length_s(self) -> float:
+        return self.end - self.start
+
+    def elapsed_s(self) -> float:
+        return time.monotonic() - self.opened
 
 
 class Abort(Exception):
@@ -208,17 +218,18 @@ class WindowRunner:
     def _watch(self, window: Window, stop_on_command: Callable[[], str | None] | None) -> tuple[float, bool, str | None]:
         """Tick until the window closes: (close time, closed early, the command that closed it)."""
         ctx = self.ctx
-        next_look = window.start + INTERIM_LOOK_S
+        next_look = INTERIM_LOOK_S  # elapsed seconds
         look = 0
         command = None
         early = False
         while True:
-            now = time.time()
-            if now >= window.end + SHIP_GRACE_S:
+            elapsed = window.elapsed_s()
+            if elapsed >= window.length_s + SHIP_GRACE_S:
                 break
+            now = window.start + elapsed  # wall time on the window's own clock
             self.load.check()
             self.read_records()
-            self.poll_health(now)
+            self.poll_health(time.monotonic())
             if not self.canary_alive():
                 early = True
                 break
@@ -228,7 +239,7 @@ class WindowRunner:
             if got is not None:
                 command, early = got, True
                 break
-            if now >= next_look and now < window.end and look < self.looks - 1:
+            if elapsed >= next_look and elapsed < window.length_s and look < self.looks - 1:
                 look += 1
                 next_look += INTERIM_LOOK_S
                 so_far = [r for r in self.pending if ended_at(r) < now]
@@ -237,7 +248,7 @@ class WindowRunner:
                     early = True
                     break
             time.sleep(TICK_S)
-        close = min(time.time(), window.end) if early else window.end
+        close = window.start + min(window.elapsed_s(), window.length_s) if early else window.end
         return close, early, command
 
     def commit(self, window: Window, gates: list[GateResult], close: float, early: bool, command: str | None) -> None:
@@ -285,8 +296,8 @@ class WindowRunner:
     # -- before the first window and after the last ------------------------------------
     def wait_for_first_records(self) -> None:
         """The steps start once the load flows (Locust start-up is seconds; it must not eat a window)."""
-        deadline = time.time() + FIRST_RECORD_TIMEOUT_S
-        while time.time() < deadline:
+        deadline = time.monotonic() + FIRST_RECORD_TIMEOUT_S
+        while time.monotonic() < deadline:
             self.load.check()
             self.read_records()
             if self.pending:
