@@ -101,7 +101,11 @@ class Controller:
     def run(self) -> RunResult:
         ctx = self.ctx
         ctx.run_dir.mkdir(parents=True, exist_ok=True)
-        self._open()
+        if not self._open():
+            # another `resume` took the run first: its fleet and files are not ours to touch
+            ctx.result.error = "another controller resumed this run first"
+            ctx.say(f"run {ctx.run_id}: {ctx.result.error}; nothing done")
+            return ctx.result
         completed = False
         try:
             for phase in PHASES:
@@ -146,9 +150,13 @@ class Controller:
             store.close()
 
     # -- the run's row -----------------------------------------------------------
-    def _open(self) -> None:
+    def _open(self) -> bool:
+        """Create (or, resuming, claim) the run's row; False when another controller claimed it first."""
         ctx, cfg = self.ctx, self.ctx.cfg
         if ctx.resuming:
+            previous = ctx.store.run(ctx.run_id)["controller"]
+            if not ctx.store.claim(ctx.run_id, controller_identity(), previous):
+                return False
             point = ctx.point
             ctx.result.started_at = point.started_at
             ctx.result.timeline = list(point.timeline)
@@ -160,7 +168,8 @@ class Controller:
             ctx.store.create_run(ctx.run_id, cfg.name, model, cfg.model_dump(mode="json"))
             ctx.event("prepare", "start", f"run {ctx.run_id}")
             ctx.say(f"run {ctx.run_id}: {cfg.name} -> {ctx.run_dir}")
-        ctx.store.update_run(ctx.run_id, status="running", controller=controller_identity())
+        ctx.store.update_run(ctx.run_id, status="running", controller=controller_identity(), heartbeat_at=time.time())
+        return True
 
     # -- the end -----------------------------------------------------------------
     def _teardown(self) -> None:

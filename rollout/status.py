@@ -12,7 +12,7 @@ from typing import Any
 
 from rollout.judge.verdicts import GateResult
 from rollout.resume import JUDGED, PROGRESSIVE, STEP_PHASE
-from rollout.store import RunStore, controller_alive
+from rollout.store import RunStore, run_controller_alive
 
 GATE_LIST_PHASES = ("accuracy", "experiment")  # phase_results: the list of gates of one look
 GATE_DOCUMENT_PHASES = (JUDGED, PROGRESSIVE, STEP_PHASE)  # phase_results: {"gates": [...], "step"?: n, ...}
@@ -74,5 +74,5 @@ def run_status(store: RunStore, run_id: str) -> dict | None:
         "latest_gates": list(latest.values()),
         "last_event": events[-1] if events else None,
         "controller": run.get("controller"),
-        "controller_alive": controller_alive(run.get("controller")) if run["status"] == "running" else None,
+        "controller_alive": run_controller_alive(run) if run["status"] == "running" else None,
     }

@@ -97,6 +97,16 @@ def controller_identity() -> str:
     return f"{socket.gethostname()}:{os.getpid()}"
 
 
+def run_controller_alive(run: dict[str, Any]) -> bool | None:
+    """controller_alive for a run row: its heartbeat goes stale after one lease (`lease_s` of its
+    config), when the run's actors have stopped themselves anyway."""
+    try:
+        lease_s = float(json.loads(run.get("config_json") or "{}").get("lease_s", 300))
+    except (ValueError, TypeError, AttributeError):
+        lease_s = 300.0
+    return controller_alive(run.get("controller"), run.get("heartbeat_at"), stale_after_s=lease_s)
+
+
 def controller_alive(
     identity: str | None, heartbeat_at: float | None = None, stale_after_s: float | None = None
 ) -> bool | None:
