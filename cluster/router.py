@@ -20,64 +20,56 @@ Layout:
 The router sits in the latency path (TTFT is measured through it), so the
 per-request work is a few dict operations, no logging, and no buffering of
 response bodies.
+
+Around it: cluster/router_limits.py (`RouterLimits`: body cap, header and body
+deadlines, connection cap, upstream timeouts, origin-form targets, the bearer
+token), cluster/router_proxy.py (`Forwarder`: one request to its replica and
+back, its outcome counted) and cluster/outlier.py (passive ejection: a replica
+failing in a row is skipped for a doubling backoff; if every replica of an arm
+is ejected the arm answers 503, counted as its error).
 """
 
 from __future__ import annotations
 
-import asyncio
 import math
 import random
 import socket
+import time
+from collections import Counter
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, TypedDict
 
-import aiohttp
 import ray
 from aiohttp import web
 from yarl import URL
 
 from cluster.arms import ARM_HEADER, BASELINE, CANARY
 from cluster.lease import Lease
+from cluster.router_limits import (
+    BodyRefused,
+    CappedSockSite,
+    RouterLimits,
+    authorized,
+    check_bind,
+    read_body,
+    target_problem,
+)
+from cluster.router_proxy import REPLICA_HEADER, Forwarder, Route, RouteCounter, error_response
 
 # Arms a client may always pin, even before `set_arms` (then: 503, not 400).
 DEFAULT_ARMS: tuple[str, ...] = (BASELINE, CANARY)
 
-REPLICA_HEADER = "x-mtp-canary-replica"
-
 MAX_WEIGHT = 100.0
-DEFAULT_CONNECT_TIMEOUT_S = 5.0
 # Until told otherwise all traffic goes to the baseline: a router that comes
 # up before the controller sets weights must not expose users to the canary.
 DEFAULT_WEIGHTS: Mapping[str, float] = {BASELINE: 100.0, CANARY: 0.0}
-# Requests are small JSON documents, but long-context prompts can exceed
-# aiohttp's 1 MiB default body limit.
-MAX_REQUEST_BODY_BYTES = 256 * 1024 * 1024
 # Seconds `stop()` waits for in-flight requests before cancelling them.
 SHUTDOWN_GRACE_S = 2.0
-
-# Headers that describe one TCP hop (RFC 9110 section 7.6.1) or that aiohttp
-# recomputes for the next hop; they must not be copied across the proxy.
-_HOP_BY_HOP_HEADERS = frozenset(
-    {
-        "connection",
-        "keep-alive",
-        "proxy-authenticate",
-        "proxy-authorization",
-        "proxy-connection",
-        "te",
-        "trailer",
-        "transfer-encoding",
-        "upgrade",
-    }
-)
-_REQUEST_HEADERS_NOT_FORWARDED = _HOP_BY_HOP_HEADERS | {
-    "host",
-    "content-length",
-    "expect",  # the router has already read the whole body
-    ARM_HEADER,  # routing instruction for this router, not for vLLM
-}
-_RESPONSE_HEADERS_NOT_FORWARDED = _HOP_BY_HOP_HEADERS | {ARM_HEADER, REPLICA_HEADER}
+# After refusing a body (413, 408), aiohttp reads and discards what the client
+# still sends for this long, so the client sees the answer rather than a reset;
+# aiohttp's 10 s would let each refused client hold a connection for 10 s.
+LINGER_S = 2.0
 
 
 # --------------------------------------------------------------------------
@@ -220,15 +212,19 @@ def pick_replica(outstanding: Mapping[str, int], turn: int) -> str:
 class RouteCounts(TypedDict):
     routed: int  # requests sent upstream since start or the last reset_counts()
     in_flight: int  # requests sent upstream whose response has not finished
-    errors: int  # upstream 5xx responses, connection failures, streams broken mid-way
+    # upstream 5xx, connection failures, upstream timeouts, streams broken mid-way,
+    # and (arm only) requests answered 503 because every replica of the arm was ejected
+    errors: int
 
 
 class ArmCounts(RouteCounts):
-    rejected: int  # requests answered 503 because the arm had no replicas
+    rejected: int  # requests answered 503 because the arm had no replicas, or none not ejected
 
 
 class ReplicaCounts(RouteCounts):
     arm: str
+    ejected_until: float | None  # epoch seconds the current ejection ends; None: not ejected
+    ejections: int  # ejections since the replica joined its arm (kept by reset_counts)
 
 
 class RouterState(TypedDict):
@@ -237,21 +233,11 @@ class RouterState(TypedDict):
     arms: dict[str, list[str]]  # arm -> replica base URLs
     arm_counts: dict[str, ArmCounts]
     replica_counts: dict[str, ReplicaCounts]  # replica base URL -> counts
-
-
-@dataclass
-class _Counter:
-    routed: int = 0
-    in_flight: int = 0
-    errors: int = 0
-    rejected: int = 0
-
-    def reset_totals(self) -> None:
-        # in_flight is a live gauge (and drives least-outstanding picking):
-        # requests still streaming must still be subtracted when they finish.
-        self.routed = 0
-        self.errors = 0
-        self.rejected = 0
+    # requests and connections refused before routing, by cause (not in any arm's counts):
+    # unauthorized, bad_target, body_too_large, body_timeout, connections
+    refused: dict[str, int]
+    auth_required: bool  # a bearer token is required (its value is never reported)
+    limits: dict[str, Any]  # RouterLimits as a dict
 
 
 def _normalize_replica_url(url: Any, arm: str) -> str:
@@ -263,10 +249,13 @@ def _normalize_replica_url(url: Any, arm: str) -> str:
     return str(parsed).rstrip("/")
 
 
-def _error_response(status: int, message: str, error_type: str, headers: Mapping[str, str] | None = None) -> web.Response:
-    # OpenAI's error envelope, so OpenAI clients and Locust users parse it as they parse vLLM's.
-    body = {"error": {"message": message, "type": error_type, "code": status}}
-    return web.json_response(body, status=status, headers=headers)
+def _replica_counts(arm: str, c: RouteCounter, now: float, wall: float) -> ReplicaCounts:
+    health = c.health
+    ejected_until = wall + (health.ejected_until - now) if health.ejected(now) else None
+    return {
+        "arm": arm, "routed": c.routed, "in_flight": c.in_flight, "errors": c.errors,
+        "ejected_until": ejected_until, "ejections": health.ejections,
+    }
 
 
 # --------------------------------------------------------------------------
@@ -279,18 +268,17 @@ class RouterServer:
 
     Create it inside a running event loop's owner (as a Ray actor: `Router`),
     then `await start()`, `await set_arms(...)`, `await set_weights(...)`.
+    `limits` (default `RouterLimits()`): what it accepts and how long it waits.
     """
 
     def __init__(
         self,
         initial_weights: Mapping[str, float] | None = None,
-        connect_timeout_s: float = DEFAULT_CONNECT_TIMEOUT_S,
         seed: int | None = None,
         block_size: int = 10,
+        limits: RouterLimits | None = None,
     ) -> None:
-        if connect_timeout_s <= 0:
-            raise ValueError(f"connect_timeout_s must be > 0, got {connect_timeout_s}")
-        self._connect_timeout_s = connect_timeout_s
+        self._limits = limits if limits is not None else RouterLimits()
         self._selector = ArmSelector(
             ArmWeights(dict(initial_weights if initial_weights is not None else DEFAULT_WEIGHTS)),
             random.Random(seed),
@@ -299,11 +287,13 @@ class RouterServer:
         self._arms: dict[str, list[str]] = {}
         # Replica counters of the current arms; a request in flight keeps a
         # reference to its own counter, so set_arms can drop replicas safely.
-        self._replica_counters: dict[str, dict[str, _Counter]] = {}
-        self._arm_counters: dict[str, _Counter] = {arm: _Counter() for arm in DEFAULT_ARMS}
+        self._replica_counters: dict[str, dict[str, RouteCounter]] = {}
+        self._arm_counters: dict[str, RouteCounter] = {arm: RouteCounter() for arm in DEFAULT_ARMS}
         self._turns: dict[str, int] = {}
+        self._refused: Counter[str] = Counter()
+        self._forwarder = Forwarder(self._limits)
+        self._token: str | None = None
         self._runner: web.AppRunner | None = None
-        self._session: aiohttp.ClientSession | None = None
         self._bound: tuple[str, int] | None = None
         self._url: str | None = None
         # Unrenewed (its controller dead and nobody resuming), the router ends its process.
@@ -316,7 +306,8 @@ class RouterServer:
 
         Calling it again on a started router returns the same URL (a
         controller resuming a run may re-attach to the named actor), unless
-        it asks for a different address.
+        it asks for a different address. Beyond loopback it needs the token
+        (RouterLimits.auth_token_env) and refuses to start without it.
         """
         if self._url is not None:
             assert self._bound is not None
@@ -324,44 +315,41 @@ class RouterServer:
             if host != bound_host or port not in (0, bound_port):
                 raise RuntimeError(f"router already serves on {self._url}; cannot also bind {host}:{port}")
             return self._url
+        limits = self._limits
+        # Read here, in the process that serves: the Ray actor's environment, not the caller's.
+        token = limits.auth_token()
+        check_bind(host, token, limits)
+        self._token = token
+        await self._forwarder.open(strip_authorization=token is not None)
 
-        # Without limit=0 aiohttp caps the pool at 100 connections and would
-        # silently queue the 101st concurrent stream inside the router.
-        connector = aiohttp.TCPConnector(limit=0, limit_per_host=0)
-        self._session = aiohttp.ClientSession(
-            connector=connector,
-            # Streams last as long as generation does; only connecting is bounded.
-            timeout=aiohttp.ClientTimeout(
-                total=None, connect=self._connect_timeout_s, sock_connect=self._connect_timeout_s, sock_read=None
-            ),
-            # Bodies pass through byte for byte; the client's own headers say
-            # what it accepts, the proxy must not add encodings or agents.
-            auto_decompress=False,
-            skip_auto_headers=("Accept-Encoding", "User-Agent", "Content-Type"),
-            trust_env=False,
-        )
-
-        app = web.Application(client_max_size=MAX_REQUEST_BODY_BYTES)
+        app = web.Application(client_max_size=limits.max_body_bytes)
         app.router.add_get("/health", self._handle_health)
         app.router.add_get("/router/state", self._handle_state)
         app.router.add_route("*", "/v1/{tail:.*}", self._handle_proxy)
+        app.router.add_route("*", "/{tail:.*}", self._handle_not_routed)
         # access_log=None: no per-request logging in the latency path.
         # handler_cancellation: when a client gives up, the upstream request
         # is closed at once, so vLLM aborts it instead of generating for nobody.
-        runner = web.AppRunner(app, access_log=None, handler_cancellation=True, shutdown_timeout=SHUTDOWN_GRACE_S)
+        # keepalive_timeout: aiohttp closes a connection whose next request's
+        # headers are not complete this long after it opened or after the
+        # previous answer: the header deadline (a trickling client is cut off).
+        runner = web.AppRunner(
+            app, access_log=None, handler_cancellation=True, shutdown_timeout=SHUTDOWN_GRACE_S,
+            keepalive_timeout=limits.header_timeout_s, lingering_time=LINGER_S,
+        )
         await runner.setup()
         try:
             listening_socket = self._bind(host, port)
             try:
-                await web.SockSite(runner, listening_socket).start()
+                site = CappedSockSite(runner, listening_socket, limits.max_connections, self._refused_connection)
+                await site.start()
             except BaseException:
                 listening_socket.close()
                 raise
         except BaseException:
             # e.g. the port is taken: leave nothing half-started behind.
             await runner.cleanup()
-            await self._session.close()
-            self._session = None
+            await self._forwarder.close()
             raise
         self._runner = runner
         bound_port = listening_socket.getsockname()[1]
@@ -374,11 +362,12 @@ class RouterServer:
         if self._runner is not None:
             await self._runner.cleanup()
             self._runner = None
-        if self._session is not None:
-            await self._session.close()
-            self._session = None
+        await self._forwarder.close()
         self._url = None
         self._bound = None
+
+    def _refused_connection(self) -> None:
+        self._refused["connections"] += 1
 
     @staticmethod
     def _bind(host: str, port: int) -> socket.socket:
@@ -406,8 +395,8 @@ class RouterServer:
     async def set_arms(self, arms: Mapping[str, Sequence[str]]) -> None:
         """Replace the replicas of every arm: arm name -> replica base URLs.
 
-        Arms left out have no replicas afterwards. Counters of replicas that
-        stay are kept. A replica URL may belong to one arm only.
+        Arms left out have no replicas afterwards. Counters (and ejections) of
+        replicas that stay are kept. A replica URL may belong to one arm only.
         """
         normalized: dict[str, list[str]] = {}
         owner_of_url: dict[str, str] = {}
@@ -425,12 +414,12 @@ class RouterServer:
                 normalized[arm].append(replica)
 
         self._replica_counters = {
-            arm: {url: self._replica_counters.get(arm, {}).get(url) or _Counter() for url in urls}
+            arm: {url: self._replica_counters.get(arm, {}).get(url) or RouteCounter() for url in urls}
             for arm, urls in normalized.items()
         }
         self._arms = normalized
         for arm in normalized:
-            self._arm_counters.setdefault(arm, _Counter())
+            self._arm_counters.setdefault(arm, RouteCounter())
             self._turns.setdefault(arm, 0)
 
     async def set_weights(self, weights: Mapping[str, float] | ArmWeights) -> None:
@@ -446,15 +435,16 @@ class RouterServer:
             raise ValueError(f"weights name unknown arm(s) {unknown}; known arms: {sorted(self._known_arms())}")
         self._selector.set_weights(arm_weights)
         for arm in arm_weights.by_arm:
-            self._arm_counters.setdefault(arm, _Counter())
+            self._arm_counters.setdefault(arm, RouteCounter())
 
     async def reset_counts(self) -> None:
-        """Zero routed/errors/rejected counts (in_flight is live and stays)."""
+        """Zero routed/errors/rejected counts (in_flight and replica health are live and stay)."""
         for counter in self._arm_counters.values():
             counter.reset_totals()
         for replicas in self._replica_counters.values():
             for counter in replicas.values():
                 counter.reset_totals()
+        self._refused.clear()
 
     async def release_lease(self) -> None:
         """No deadline: the actor stays until stopped (keep_fleet)."""
@@ -471,12 +461,13 @@ class RouterServer:
         return set(DEFAULT_ARMS) | set(self._arms) | set(self._selector.weights.by_arm)
 
     def _state(self) -> RouterState:
+        now, wall = time.monotonic(), time.time()
         arm_counts: dict[str, ArmCounts] = {
             arm: {"routed": c.routed, "in_flight": c.in_flight, "errors": c.errors, "rejected": c.rejected}
             for arm, c in self._arm_counters.items()
         }
-        replica_counts: dict[str, ReplicaCounts] = {
-            url: {"arm": arm, "routed": c.routed, "in_flight": c.in_flight, "errors": c.errors}
+        replica_counts = {
+            url: _replica_counts(arm, c, now, wall)
             for arm, replicas in self._replica_counters.items()
             for url, c in replicas.items()
         }
@@ -486,26 +477,59 @@ class RouterServer:
             "arms": {arm: list(urls) for arm, urls in self._arms.items()},
             "arm_counts": arm_counts,
             "replica_counts": replica_counts,
+            "refused": dict(self._refused),
+            "auth_required": self._token is not None,
+            "limits": self._limits.model_dump(mode="json"),
         }
 
     # ---- HTTP handlers -----------------------------------------------------
 
+    def _refusal(self, request: web.Request, proxied: bool) -> web.Response | None:
+        """401 without the token, 400 for a target the router does not route; None: go on."""
+        if not authorized(request, self._token):
+            self._refused["unauthorized"] += 1
+            return error_response(
+                401, "router: missing or wrong token (Authorization: Bearer <token>)", "authentication_error",
+                headers={"WWW-Authenticate": "Bearer"},
+            )
+        problem = target_problem(request, proxied)
+        if problem is not None:
+            self._refused["bad_target"] += 1
+            return error_response(400, f"router: {problem}", "invalid_request_error")
+        return None
+
     async def _handle_health(self, request: web.Request) -> web.Response:
-        return web.json_response({"status": "ok"})
+        refusal = self._refusal(request, proxied=False)
+        return refusal if refusal is not None else web.json_response({"status": "ok"})
 
     async def _handle_state(self, request: web.Request) -> web.Response:
-        return web.json_response(self._state())
+        refusal = self._refusal(request, proxied=False)
+        return refusal if refusal is not None else web.json_response(self._state())
+
+    async def _handle_not_routed(self, request: web.Request) -> web.Response:
+        refusal = self._refusal(request, proxied=True)
+        assert refusal is not None, "a path outside /v1/ is always refused"
+        return refusal
 
     async def _handle_proxy(self, request: web.Request) -> web.StreamResponse:
+        refusal = self._refusal(request, proxied=True)
+        if refusal is not None:
+            return refusal
         # Read the body before choosing: no await between the choice and the
         # in_flight increment, so concurrent requests see each other's picks.
-        body = await request.read()
+        try:
+            body = await read_body(request, self._limits)
+        except BodyRefused as exc:
+            self._refused[exc.kind] += 1
+            response = error_response(exc.status, f"router: {exc}", "invalid_request_error")
+            response.force_close()  # what is left of the body is not read
+            return response
 
         pinned_arm = request.headers.get(ARM_HEADER)
         if pinned_arm is not None:
             arm = pinned_arm.strip()
             if arm not in self._known_arms():
-                return _error_response(
+                return error_response(
                     400,
                     f"unknown arm {arm!r} in header {ARM_HEADER}; known arms: {sorted(self._known_arms())}",
                     "invalid_request_error",
@@ -513,108 +537,42 @@ class RouterServer:
         else:
             arm = self._selector.choose()
 
-        arm_counter = self._arm_counters.setdefault(arm, _Counter())
+        arm_counter = self._arm_counters.setdefault(arm, RouteCounter())
         replica_counters = self._replica_counters.get(arm)
+        how = "pinned" if pinned_arm is not None else "chosen by weight"
         if not replica_counters:
             arm_counter.rejected += 1
-            how = "pinned" if pinned_arm is not None else "chosen by weight"
-            return _error_response(
+            return error_response(
                 503, f"arm {arm!r} ({how}) has no replicas", "service_unavailable", headers={ARM_HEADER: arm}
             )
+        replica = self._pick(arm, replica_counters)
+        if replica is None:
+            # Failing closed: the arm's errors must reach the guards, not vanish in a retry elsewhere.
+            arm_counter.rejected += 1
+            arm_counter.errors += 1
+            return error_response(
+                503, f"arm {arm!r} ({how}): every replica is ejected after consecutive failures",
+                "service_unavailable", headers={ARM_HEADER: arm},
+            )
 
-        turn = self._turns.get(arm, 0)
-        self._turns[arm] = turn + 1
-        replica = pick_replica({url: c.in_flight for url, c in replica_counters.items()}, turn)
         replica_counter = replica_counters[replica]
         arm_counter.routed += 1
         replica_counter.routed += 1
         arm_counter.in_flight += 1
         replica_counter.in_flight += 1
         try:
-            return await self._forward(request, body, arm, replica, arm_counter, replica_counter)
+            return await self._forwarder.forward(request, body, Route(arm, replica, arm_counter, replica_counter))
         finally:
             arm_counter.in_flight -= 1
             replica_counter.in_flight -= 1
 
-    async def _forward(
-        self,
-        request: web.Request,
-        body: bytes,
-        arm: str,
-        replica: str,
-        arm_counter: _Counter,
-        replica_counter: _Counter,
-    ) -> web.StreamResponse:
-        # No retry on another replica: a failing canary replica must show up
-        # as errors in the verdict, not be hidden by the router.
-        assert self._session is not None, "router not started"
-        tags = {ARM_HEADER: arm, REPLICA_HEADER: replica}
-        upstream_url = URL(replica + request.raw_path, encoded=True)
-        forwarded_headers = [
-            (name, value)
-            for name, value in request.headers.items()
-            if name.lower() not in _REQUEST_HEADERS_NOT_FORWARDED
-        ]
-        try:
-            upstream = await self._session.request(
-                request.method, upstream_url, headers=forwarded_headers, data=body or None, allow_redirects=False
-            )
-        except (aiohttp.ClientError, asyncio.TimeoutError) as exc:
-            arm_counter.errors += 1
-            replica_counter.errors += 1
-            return _error_response(
-                502,
-                f"replica {replica} of arm {arm!r} failed before responding: {type(exc).__name__}: {exc}",
-                "bad_gateway",
-                headers=tags,
-            )
-
-        try:
-            if upstream.status >= 500:
-                arm_counter.errors += 1
-                replica_counter.errors += 1
-            response = web.StreamResponse(status=upstream.status, reason=upstream.reason)
-            for name, value in upstream.headers.items():
-                if name.lower() not in _RESPONSE_HEADERS_NOT_FORWARDED:
-                    response.headers.add(name, value)
-            response.headers.update(tags)
-            try:
-                await response.prepare(request)
-            except ConnectionError:
-                return response  # the client went away before the status line
-
-            # Chunk by chunk as the bytes arrive: an SSE event is flushed to
-            # the client the moment vLLM emits it (readany never waits to fill
-            # a buffer), so TTFT measured through the router is vLLM's TTFT.
-            while True:
-                try:
-                    chunk = await upstream.content.readany()
-                except (aiohttp.ClientError, asyncio.TimeoutError):
-                    # The replica died mid-stream. The status line is already
-                    # sent, so the only honest signal left is to cut the
-                    # client's connection without the terminating chunk.
-                    arm_counter.errors += 1
-                    replica_counter.errors += 1
-                    if request.transport is not None:
-                        request.transport.close()
-                    return response
-                if not chunk:
-                    break
-                try:
-                    await response.write(chunk)
-                except ConnectionError:
-                    # The client went away; that is not the replica's fault.
-                    return response
-            await response.write_eof()
-            return response
-        finally:
-            # A fully read response returns its connection to the pool; an
-            # unfinished one (client gone, handler cancelled) is closed, which
-            # makes vLLM abort the request instead of generating for nobody.
-            if upstream.content.is_eof():
-                upstream.release()
-            else:
-                upstream.close()
+    def _pick(self, arm: str, replica_counters: Mapping[str, RouteCounter]) -> str | None:
+        """The least-outstanding replica that is not ejected (None: all are)."""
+        turn = self._turns.get(arm, 0)
+        self._turns[arm] = turn + 1
+        now = time.monotonic()
+        candidates = {url: c.in_flight for url, c in replica_counters.items() if not c.health.ejected(now)}
+        return pick_replica(candidates, turn) if candidates else None
 
 
 # The Ray actor. num_cpus=0: it waits on sockets, and must never be the reason
@@ -625,6 +583,7 @@ Router = ray.remote(num_cpus=0)(RouterServer)
 __all__ = [
     "DEFAULT_ARMS",
     "REPLICA_HEADER",
+    "RouterLimits",
     "ArmCounts",
     "ArmSelector",
     "ArmWeights",

@@ -242,6 +242,8 @@ def router_actor(ray_cluster: None) -> Iterator[tuple[Any, str]]:
 def router(router_actor: tuple[Any, str], upstreams: dict[str, UpstreamDouble]) -> tuple[Any, str]:
     """The module's router, reset to one baseline and one canary replica at 50/50."""
     actor, url = router_actor
+    # Dropping the replicas first forgets their health: one test's failures must not eject a replica in the next.
+    ray.get(actor.set_arms.remote({}))
     ray.get(actor.set_arms.remote({"baseline": [upstreams["baseline-0"].url], "canary": [upstreams["canary-0"].url]}))
     ray.get(actor.set_weights.remote({"baseline": 50, "canary": 50}))
     ray.get(actor.reset_counts.remote())
@@ -394,7 +396,9 @@ def test_dead_upstream_answers_502_naming_the_replica_and_is_counted(router: tup
     assert dead_replica in response.json()["error"]["message"]
     assert response.headers[REPLICA_HEADER] == dead_replica
     state = ray.get(actor.get_state.remote())
-    assert state["replica_counts"][dead_replica] == {"arm": "baseline", "routed": 1, "in_flight": 0, "errors": 1}
+    assert state["replica_counts"][dead_replica] == {
+        "arm": "baseline", "routed": 1, "in_flight": 0, "errors": 1, "ejected_until": None, "ejections": 0
+    }
     assert state["arm_counts"]["baseline"]["errors"] == 1
 
 
