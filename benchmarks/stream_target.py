@@ -24,6 +24,10 @@ each chunk really left, so that a benchmark can tell the client's error from the
 target's lateness (both run on one machine, one clock). Requests that carry the header
 x-mtp-canary-arm get it echoed back, like the router's arm pinning; otherwise the
 --arm value (if any) is sent.
+
+Faults, for the router's tests and benchmarks: --fail-status 500 answers every /v1
+request with that status (an OpenAI error body); --hang accepts every /v1 request and
+never answers.
 """
 
 from __future__ import annotations
@@ -112,9 +116,11 @@ def _prompt_tokens(body: dict[str, Any]) -> int:
 class StreamTarget:
     def __init__(
         self, schedule: TokenSchedule, arm: str | None = None, replica: str | None = None,
-        tpot_jitter: float = 0.0, seed: int = 0,
+        tpot_jitter: float = 0.0, seed: int = 0, fail_status: int | None = None, hang: bool = False,
     ) -> None:
         self.schedule = schedule
+        self.fail_status = fail_status
+        self.hang = hang
         # log-sd of a per-request TPOT multiplier (0: every request exactly on the schedule):
         # latency that varies from request to request, as a real server's does
         self.tpot_jitter = tpot_jitter
@@ -159,6 +165,15 @@ class StreamTarget:
         return await self._answer(request, chat=True)
 
     async def _answer(self, request: web.Request, chat: bool) -> web.StreamResponse:
+        if self.hang:
+            await asyncio.Event().wait()  # until the client (or the router's timeout) gives up
+        if self.fail_status is not None:
+            self.stats.started += 1
+            return web.json_response(
+                {"error": {"message": f"stream target fails on purpose ({self.fail_status})", "type": "fault",
+                           "code": self.fail_status}},
+                status=self.fail_status,
+            )
         loop = asyncio.get_running_loop()
         arrived = loop.time()
         arrived_at = time.time()
@@ -279,6 +294,8 @@ class TargetProcess:
         start_timeout_s: float = 30.0,
         tpot_jitter: float = 0.0,
         seed: int = 0,
+        fail_status: int | None = None,
+        hang: bool = False,
     ) -> None:
         self._command = [python, str(Path(__file__).resolve()), "--port", "0", "--ttft-ms", str(ttft_ms),
                          "--tpot-ms", str(tpot_ms), "--tokens-per-chunk", str(tokens_per_chunk)]
@@ -288,6 +305,10 @@ class TargetProcess:
             self._command += ["--replica", replica]
         if tpot_jitter:
             self._command += ["--tpot-jitter", str(tpot_jitter), "--seed", str(seed)]
+        if fail_status is not None:
+            self._command += ["--fail-status", str(fail_status)]
+        if hang:
+            self._command += ["--hang"]
         self._start_timeout_s = start_timeout_s
         self._process: subprocess.Popen[str] | None = None
         self.url = ""
@@ -334,6 +355,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--tpot-jitter", type=float, default=0.0,
                         help="log-sd of a per-request TPOT multiplier (0: exactly on schedule)")
     parser.add_argument("--seed", type=int, default=0, help="seed of the jitter")
+    parser.add_argument("--fail-status", type=int, default=None, help="answer every /v1 request with this status")
+    parser.add_argument("--hang", action="store_true", help="accept every /v1 request and never answer")
     return parser.parse_args(argv)
 
 
@@ -342,7 +365,7 @@ async def serve(args: argparse.Namespace) -> None:
         raise SystemExit("--tokens-per-chunk must be at least 1")
     target = StreamTarget(
         TokenSchedule(args.ttft_ms / 1000.0, args.tpot_ms / 1000.0, args.tokens_per_chunk), args.arm, args.replica,
-        tpot_jitter=args.tpot_jitter, seed=args.seed,
+        tpot_jitter=args.tpot_jitter, seed=args.seed, fail_status=args.fail_status, hang=args.hang,
     )
     runner = web.AppRunner(target.app(), access_log=None)
     await runner.setup()
