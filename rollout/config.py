@@ -59,7 +59,7 @@ class TinyModelOptions(BaseModel):
 class ArmConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
-    replicas: int = Field(1, ge=1)
+    replicas: int = Field(1, ge=1, le=1024)
     engine: EngineSpec
     tiny_model: TinyModelOptions | None = Field(
         None, description="write the tiny checkpoint and serve it (engine.model is then ignored)"
@@ -215,7 +215,8 @@ class RayConfig(BaseModel):
 class RolloutConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
-    name: str = Field(..., pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]*$")
+    # it names the run's directory (run id: timestamp-name-hex, at most 128 characters)
+    name: str = Field(..., pattern=r"^[A-Za-z0-9][A-Za-z0-9_.-]*$", max_length=100)
     description: str = ""
     ray: RayConfig = Field(default_factory=RayConfig)
     baseline: ArmConfig
@@ -252,30 +253,164 @@ class RolloutConfig(BaseModel):
 
 def _one_line(error: ValidationError) -> str:
     first = error.errors()[0]
-    where = ".".join(str(p) for p in first["loc"]) or "config"
+    where = ".".join(str(p)[:60] for p in first["loc"]) or "config"
     more = f" (and {error.error_count() - 1} more)" if error.error_count() > 1 else ""
-    return f"{where}: {first['msg']}{more}"
+    return f"{where}: {first['msg'].removeprefix('Value error, ')}{more}"
+
+
+def _line(text: str, limit: int = 400) -> str:
+    """One printable line: a key or a path with a newline or an escape code cannot split the error."""
+    text = " ".join("".join(c if c.isprintable() else " " for c in text).split())
+    return text if len(text) <= limit else text[: limit - 3] + "..."
+
+
+def _config_error(source: str, detail: str) -> ConfigError:
+    return ConfigError(_line(f"{source}: {detail}"))
+
+
+def _first_non_finite(value: Any, where: str = "") -> str | None:
+    """The path of the first NaN or infinity (YAML .nan, .inf, 1e999): no bound in the config
+    means anything with them (an infinite max_duration_s never caps the experiment)."""
+    if isinstance(value, float) and not math.isfinite(value):
+        return where or "config"
+    items = value.items() if isinstance(value, dict) else enumerate(value) if isinstance(value, list) else ()
+    for key, item in items:
+        found = _first_non_finite(item, f"{where}.{key}" if where else str(key))
+        if found:
+            return found
+    return None
 
 
 def parse_config(data: Any, source: str = "config") -> RolloutConfig:
+    if data is None:
+        raise _config_error(source, "empty: the top level must be a mapping")
     if not isinstance(data, dict):
-        raise ConfigError(f"{source}: the top level must be a mapping")
+        raise _config_error(source, f"the top level must be a mapping, not {type(data).__name__}")
+    non_finite = _first_non_finite(data)
+    if non_finite:
+        raise _config_error(source, f"{non_finite}: must be a finite number")
     try:
         return RolloutConfig.model_validate(data)
     except ValidationError as exc:
-        raise ConfigError(f"{source}: {_one_line(exc)}") from None
+        raise _config_error(source, _one_line(exc)) from None
+
+
+# -- reading the file ----------------------------------------------------------------------
+# A config is a few KiB of plain YAML. Anything else is refused before it is built: the file
+# is read at most MAX_CONFIG_BYTES (256 KiB: 60x the largest shipped config; composing the
+# densest 256 KiB of YAML takes ~0.5 s, 1 MiB ~2 s), and its node graph is checked before any
+# Python object is made (aliases share nodes, so a "billion laughs" is small until expanded).
+MAX_CONFIG_BYTES = 256 * 1024
+MAX_YAML_NODES = 100_000  # the expanded document (every alias counted each time it is used)
+MAX_YAML_DEPTH = 64
+_YAML = "tag:yaml.org,2002:"
+# what safe_load builds from untagged YAML; any other tag (!!python/object, !custom) is refused
+PLAIN_TAGS = {_YAML + t for t in ("null", "bool", "int", "float", "str", "seq", "map", "merge", "timestamp")}
+
+
+class _Refused(yaml.MarkedYAMLError):
+    """YAML that parses but is no plain config (a tag, a duplicate key, an alias bomb)."""
+
+
+def _children(node: yaml.Node) -> list[yaml.Node]:
+    if isinstance(node, yaml.MappingNode):
+        return [part for pair in node.value for part in pair]
+    return list(node.value) if isinstance(node, yaml.SequenceNode) else []
+
+
+def _check_plain(node: yaml.Node) -> None:
+    if node.tag not in PLAIN_TAGS:
+        raise _Refused(problem=f"tag {node.tag.replace(_YAML, '!!')} is not allowed (plain YAML data only)",
+                       problem_mark=node.start_mark)
+    if isinstance(node, yaml.MappingNode):
+        seen: set[tuple[str, str]] = set()
+        for key, _ in node.value:  # its own keys: a merged-in key (<<: *anchor) may be overridden
+            if isinstance(key, yaml.ScalarNode) and key.tag != _YAML + "merge":
+                if (key.tag, key.value) in seen:
+                    raise _Refused(problem=f"duplicate key {key.value[:60]!r}", problem_mark=key.start_mark)
+                seen.add((key.tag, key.value))
+
+
+def check_yaml_nodes(root: yaml.Node) -> None:
+    """Tags, duplicate keys, size and depth of a composed document, aliases expanded (iteratively:
+    a deep document must not exhaust the stack here either). Raises a yaml.MarkedYAMLError."""
+    state: dict[int, int] = {}  # 1: on the current path, 2: done
+    size: dict[int, int] = {}
+    depth: dict[int, int] = {}
+    stack: list[tuple[yaml.Node, bool]] = [(root, False)]
+    while stack:
+        node, finished = stack.pop()
+        key = id(node)
+        if finished:
+            kids = _children(node)
+            size[key] = 1 + sum(size[id(k)] for k in kids)
+            depth[key] = 1 + max((depth[id(k)] for k in kids), default=0)
+            state[key] = 2
+            if size[key] > MAX_YAML_NODES:
+                raise _Refused(problem=f"expands to more than {MAX_YAML_NODES} nodes (an alias bomb?)",
+                               problem_mark=node.start_mark)
+            if depth[key] > MAX_YAML_DEPTH:
+                raise _Refused(problem=f"nested deeper than {MAX_YAML_DEPTH} levels", problem_mark=node.start_mark)
+            continue
+        if state.get(key) == 2:
+            continue
+        if state.get(key) == 1:
+            raise _Refused(problem="a recursive alias (a node that contains itself)", problem_mark=node.start_mark)
+        _check_plain(node)
+        state[key] = 1
+        stack.append((node, True))
+        stack.extend((kid, False) for kid in _children(node))
+
+
+class ConfigLoader(getattr(yaml, "CSafeLoader", yaml.SafeLoader)):  # type: ignore[misc]
+    """safe_load's loader (libyaml's when present: it also caps nesting), plus check_yaml_nodes
+    on the composed document before anything is constructed."""
+
+    def get_single_node(self):  # noqa: ANN201 (PyYAML's signature)
+        node = super().get_single_node()
+        if node is not None:
+            check_yaml_nodes(node)
+        return node
+
+
+def _read_text(path: Path) -> str:
+    try:
+        with path.open("rb") as f:
+            raw = f.read(MAX_CONFIG_BYTES + 1)
+    except OSError as exc:
+        raise _config_error(str(path), f"cannot read: {exc.strerror or exc}") from None
+    if len(raw) > MAX_CONFIG_BYTES:
+        raise _config_error(str(path), f"larger than {MAX_CONFIG_BYTES // 1024} KiB: too large for a config")
+    try:
+        return raw.decode("utf-8")
+    except UnicodeDecodeError as exc:
+        raise _config_error(
+            str(path), f"not UTF-8 text (byte 0x{raw[exc.start]:02x} at offset {exc.start}): a config is YAML text"
+        ) from None
+
+
+def _yaml_error(path: Path, exc: yaml.YAMLError) -> ConfigError:
+    mark = getattr(exc, "problem_mark", None) or getattr(exc, "context_mark", None)
+    where = f" line {mark.line + 1}:" if mark is not None else ""
+    if isinstance(exc, _Refused):
+        return _config_error(str(path), f"{where} {exc.problem}")
+    problem = getattr(exc, "problem", None) or (str(exc).splitlines() or [type(exc).__name__])[0]
+    context = getattr(exc, "context", None)
+    return _config_error(str(path), f"{where} invalid YAML: {problem}{f' ({context})' if context else ''}")
 
 
 def load_config(path: str | Path) -> RolloutConfig:
+    """The validated config of a YAML file; ConfigError (one line naming the field or the cause)
+    for anything else: unreadable, too large, not UTF-8, not YAML, not plain data, not valid."""
     path = Path(path)
+    text = _read_text(path)
+    loader = ConfigLoader(text)
     try:
-        text = path.read_text(encoding="utf-8")
-    except OSError as exc:
-        raise ConfigError(f"{path}: cannot read: {exc.strerror}") from None
-    try:
-        data = yaml.safe_load(text)
+        data = loader.get_single_data()
     except yaml.YAMLError as exc:
-        mark = getattr(exc, "problem_mark", None)
-        where = f" line {mark.line + 1}" if mark else ""
-        raise ConfigError(f"{path}:{where} invalid YAML: {getattr(exc, 'problem', exc)}") from None
+        raise _yaml_error(path, exc) from None
+    except RecursionError:
+        raise _config_error(str(path), f"invalid YAML: nested too deeply (at most {MAX_YAML_DEPTH} levels)") from None
+    finally:
+        loader.dispose()
     return parse_config(data, source=str(path))

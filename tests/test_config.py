@@ -75,3 +75,57 @@ def test_worker_placements_that_validate():
     for placement in ("local", "spread", "pack", "node:10.0.0.2", "label:zone=a", "resource:locust=1"):
         assert parse_config(minimal(experiment={"worker_placement": placement})).experiment.worker_placement == placement
     assert parse_config(minimal(experiment={"workers": 0, "worker_placement": "local"})).experiment.workers == 0
+
+
+def test_every_model_of_the_config_refuses_unknown_keys():
+    import typing
+
+    from pydantic import BaseModel
+
+    from rollout.config import RolloutConfig
+
+    seen: set[type] = set()
+
+    def models_in(annotation) -> list[type]:
+        if isinstance(annotation, type) and issubclass(annotation, BaseModel):
+            return [annotation]
+        return [m for arg in typing.get_args(annotation) for m in models_in(arg)]
+
+    todo = [RolloutConfig]
+    while todo:
+        model = todo.pop()
+        if model in seen:
+            continue
+        seen.add(model)
+        assert model.model_config.get("extra") == "forbid", model.__name__
+        for field in model.model_fields.values():
+            todo += models_in(field.annotation)
+    assert len(seen) >= 10
+
+
+def test_anchors_and_merge_keys_still_work(tmp_path):
+    # local-cpu.yaml's canary merges the baseline engine (<<: *engine) and overrides one key of it
+    cfg = load_config(Path(__file__).resolve().parent.parent / "configs" / "local-cpu.yaml")
+    assert cfg.canary.engine.enforce_eager and cfg.canary.engine.num_speculative_tokens == 3
+    many = tmp_path / "many-aliases.yaml"
+    many.write_text(
+        "name: t\nbaseline: &arm {tiny_model: &tm {}, engine: &e {device: cpu, speculative_config: {method: mtp}}}\n"
+        "canary: {tiny_model: *tm, engine: {<<: *e, speculative_config: {method: mtp, num_speculative_tokens: 3}}}\n"
+        "x_refs: [*arm, *arm, *arm]\n"
+    )
+    with pytest.raises(ConfigError, match="x_refs: Extra inputs"):  # composed fine; only the key is wrong
+        load_config(many)
+
+
+def test_a_non_finite_number_is_refused_wherever_it_is():
+    with pytest.raises(ConfigError, match=r"gates\.alpha: must be a finite number"):
+        parse_config(minimal(gates={"alpha": float("nan")}))
+    with pytest.raises(ConfigError, match=r"progressive\.steps\.0\.canary_weight: must be a finite"):
+        parse_config(minimal(progressive={"enabled": True, "steps": [{"canary_weight": float("inf")}]}))
+
+
+def test_an_error_line_stays_one_line_whatever_the_key():
+    with pytest.raises(ConfigError) as err:
+        parse_config(minimal(**{"evil\nkey\x1b[2J" + "k" * 500: 1}))
+    message = str(err.value)
+    assert "\n" not in message and "\x1b" not in message and len(message) <= 400
