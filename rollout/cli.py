@@ -1,19 +1,29 @@
 """`mtp-canary` (same as `python -m rollout`): run a canary, answer or watch it, history, tiny model, calibrate.
 
 Exit codes of `run`: 0 promote, 3 rollback, 4 inconclusive, 2 bad config or
-usage, 1 infrastructure error.
+usage, 1 infrastructure error. A bad config or run id is one line on stderr and
+exit 2 before anything starts or is written (no Ray, no runs directory).
 """
 
 from __future__ import annotations
 
 import argparse
 import json
+import re
 import signal
 import sys
 import time
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from rollout.config import RolloutConfig
 
 EXIT_USAGE = 2
+
+# A run id names a directory under --runs-dir and a Ray namespace: one path component, never
+# `..` (`--run-id ../../x` wrote outside the runs directory), checked before anything is written.
+RUN_ID_PATTERN = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
 
 MAKE_MODEL_EPILOG = """\
 Measured with the default size (24 layers, hidden 1024) on vLLM 0.32 CPU, 2 cores,
@@ -34,14 +44,29 @@ def _raise_keyboard_interrupt(signum, frame) -> None:
     raise KeyboardInterrupt
 
 
-def _cmd_run(args: argparse.Namespace) -> int:
-    from rollout.config import ConfigError, load_config
+def run_id_error(run_id: str, what: str) -> str | None:
+    """One line saying why `run_id` is no run id (naming `what`: --run-id, RUN_ID), or None."""
+    if RUN_ID_PATTERN.fullmatch(run_id) and ".." not in run_id:
+        return None
+    shown = repr(run_id) if len(run_id) <= 80 else repr(run_id[:80]) + "..."
+    return (f"{what}: {shown} is not a run id (letters, digits, '.', '_', '-', at most 128, "
+            "starting with a letter or digit, no '..')")
 
-    try:
-        config = load_config(args.config)
-    except ConfigError as exc:
-        print(f"mtp-canary: bad config: {exc}", file=sys.stderr)
-        return EXIT_USAGE
+
+def _refuse_run_id(run_id: str | None, what: str, command: str) -> bool:
+    """True (after one line on stderr) when `run_id` is given and is no run id."""
+    error = None if run_id is None else run_id_error(run_id, what)
+    if error:
+        print(f"mtp-canary{f' {command}' if command else ''}: {error}", file=sys.stderr)
+    return error is not None
+
+
+def run_config(args: argparse.Namespace) -> RolloutConfig:
+    """The config `run` would start: the file validated, then the command line's overrides
+    validated with it. Raises rollout.config.ConfigError (one line); starts and writes nothing."""
+    from rollout.config import load_config, parse_config
+
+    config = load_config(args.config)
     overrides = {
         "window_s": args.window_s,
         "requests_per_arm": args.requests_per_arm,
@@ -49,8 +74,6 @@ def _cmd_run(args: argparse.Namespace) -> int:
     }
     updates = {key: value for key, value in overrides.items() if value is not None}
     if updates or args.ray_address:
-        from rollout.config import parse_config
-
         data = config.model_dump(mode="json")
         data["experiment"].update(updates)
         if args.ray_address:
@@ -59,14 +82,27 @@ def _cmd_run(args: argparse.Namespace) -> int:
             exp = data["experiment"]
             exp["requests_per_look"] = min(exp["requests_per_look"], exp["requests_per_arm"])
             exp["min_looks"] = min(exp["min_looks"], -(-exp["requests_per_arm"] // exp["requests_per_look"]))
-        try:
-            config = parse_config(data, source=str(args.config))
-        except ConfigError as exc:
-            print(f"mtp-canary: bad config: {exc}", file=sys.stderr)
-            return EXIT_USAGE
+        config = parse_config(data, source=str(args.config))
     if args.eval_limit is not None:
         config = config.model_copy(update={"accuracy": config.accuracy.model_copy(update={"limit": args.eval_limit})})
+    return config
 
+
+def _cmd_run(args: argparse.Namespace) -> int:
+    if _refuse_run_id(args.run_id, "--run-id", ""):
+        return EXIT_USAGE
+    from rollout.config import ConfigError
+
+    try:
+        config = run_config(args)
+    except ConfigError as exc:
+        print(f"mtp-canary: bad config: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    return _start_run(config, args)
+
+
+def _start_run(config: RolloutConfig, args: argparse.Namespace) -> int:
+    """The run itself (Ray, the fleet, runs/<id>/): only for a config and run id already checked."""
     from rollout.controller import Controller
 
     runs_dir = Path(args.runs_dir)
@@ -91,6 +127,8 @@ def _drive(controller) -> int:
 
 
 def _cmd_resume(args: argparse.Namespace) -> int:
+    if _refuse_run_id(args.run_id, "RUN_ID", "resume"):
+        return EXIT_USAGE
     found = _find_run(args.runs_dir, args.run_id, "resume")
     if found is None:
         return EXIT_USAGE
@@ -219,6 +257,8 @@ def _cmd_history(args: argparse.Namespace) -> int:
 
 def _send_command(args: argparse.Namespace) -> int:
     command = args.command
+    if _refuse_run_id(args.run_id, "RUN_ID", command):
+        return EXIT_USAGE
     found = _find_run(args.runs_dir, args.run_id, command)
     if found is None:
         return EXIT_USAGE
@@ -234,6 +274,8 @@ def _send_command(args: argparse.Namespace) -> int:
 
 
 def _cmd_status(args: argparse.Namespace) -> int:
+    if _refuse_run_id(args.run_id, "RUN_ID", "status"):
+        return EXIT_USAGE
     store = _open_store(args.runs_dir, "status")
     if store is None:
         return EXIT_USAGE
