@@ -1,7 +1,7 @@
 """A run's result, typed: what each phase found, the decision, and decision.json built from them.
 
 Every phase writes its summary here (pydantic models, so the shapes are checked where they
-are made); `decision_document` turns the whole into decision.json, and `RunResult.from_document`
+are made); `decision_document` turns the whole into decision.json (secrets redacted), and `RunResult.from_document`
 reads one back (a recorded run's document round-trips unchanged: tests/test_result.py).
 The judgement checkpoint a resumed run restores (rollout.resume) holds the same summaries.
 """
@@ -17,6 +17,7 @@ from pydantic import BaseModel, ConfigDict
 
 from rollout.config import RolloutConfig
 from rollout.judge.verdicts import Decision, GateResult
+from rollout.redact import known_secrets, redact_document
 
 EXIT_CODES = {Decision.PROMOTE: 0, Decision.ROLLBACK: 3, Decision.INCONCLUSIVE: 4}
 EXIT_INFRASTRUCTURE = 1
@@ -199,8 +200,12 @@ class RunResult:
 
 
 def decision_document(result: RunResult) -> dict[str, Any]:
-    """decision.json: the verdict, every gate's numbers, and what was compared."""
-    return {
+    """decision.json: the verdict, every gate's numbers, and what was compared.
+
+    Redacted (rollout.redact): the arms' engine env values and secret flags, and any secret of
+    the config that reached free text (an error, an engine warning); a no-op without secrets.
+    """
+    doc = {
         "run_id": result.run_id,
         "name": result.config.name,
         "decision": result.decision.value if result.decision and result.error is None else None,
@@ -221,3 +226,4 @@ def decision_document(result: RunResult) -> dict[str, Any]:
         "timeline": result.timeline,
         "started_at": result.started_at,
     }
+    return redact_document(doc, known_secrets(result.config.model_dump(mode="json")))

@@ -22,6 +22,8 @@ from typing import Any
 
 import requests
 
+from rollout.redact import known_secrets, redact_url, scrub
+
 __all__ = ["WebhookResult", "post_decision"]
 
 logger = logging.getLogger("mtp_canary.webhook")
@@ -34,7 +36,7 @@ USER_AGENT = "mtp-canary-webhook/1"
 @dataclass
 class WebhookResult:
     ok: bool  # a 2xx answer arrived
-    url: str
+    url: str  # as it may be shown: scheme and host only (rollout.redact.redact_url)
     attempts: int
     status: int | None = None  # HTTP status of the last answer (None: none arrived)
     error: str | None = None  # why it failed (last attempt), None when ok
@@ -71,12 +73,15 @@ def post_decision(
     started = time.monotonic()
     tries = max(1, int(retries))
     budget = deadline_s if deadline_s is not None else tries * timeout_s + _total_backoff(tries)
-    result = WebhookResult(ok=False, url=url, attempts=0)
+    # A webhook URL's path often is its token: logs and the result show scheme and host only,
+    # and error lines (requests names the URL in them) are scrubbed of the rest.
+    shown, secrets = redact_url(url), known_secrets({"webhook_url": url})
+    result = WebhookResult(ok=False, url=shown, attempts=0)
     try:
         body = json.dumps(document, default=str).encode()
     except (TypeError, ValueError) as exc:  # cannot happen with default=str, but never raise
         result.error = f"document is not JSON: {exc}"
-        logger.error("webhook %s: %s", url, result.error)
+        logger.error("webhook %s: %s", shown, result.error)
         return result
     backoff = BACKOFF_S
     for attempt in range(1, tries + 1):
@@ -93,9 +98,10 @@ def post_decision(
             line, retry = f"HTTP {status}: {text[:200]!r}", _retryable(status)
         else:
             line, retry = failure
+        line = scrub(line, secrets)
         result.error = line
         result.errors.append(f"try {attempt}: {line}")
-        logger.warning("webhook %s try %d/%d failed: %s", url, attempt, tries, line)
+        logger.warning("webhook %s try %d/%d failed: %s", shown, attempt, tries, line)
         if not retry or attempt == tries:
             break
         pause = min(backoff, budget - (time.monotonic() - started))
@@ -105,7 +111,7 @@ def post_decision(
         backoff = min(backoff * 2, BACKOFF_MAX_S)
     result.elapsed_s = time.monotonic() - started
     if not result.ok:
-        logger.error("webhook %s gave up after %d try(s) in %.1f s: %s", url, result.attempts, result.elapsed_s, result.error)
+        logger.error("webhook %s gave up after %d try(s) in %.1f s: %s", shown, result.attempts, result.elapsed_s, result.error)
     return result
 
 

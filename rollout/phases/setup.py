@@ -16,6 +16,7 @@ from cluster.fleet import ArmSpec, Fleet
 from cluster.ray_cluster import connect, find_actor, kill_quietly
 from cluster.router import Router, RouterClient
 from rollout.config import TWIN, ArmConfig
+from rollout.redact import redact_engine
 from rollout.run_context import Progress, RunContext
 from tinymodel.checkpoint import TinyCheckpointSpec, checkpoint_dir, ensure_checkpoint
 from tinymodel.sizing import TinySizing, engine_dtype_for, size_tiny_model, sizing_for_arm, tiny_spec_for
@@ -71,9 +72,11 @@ class Prepare:
             ctx.engines[TWIN] = ctx.engines[BASELINE]
         for arm, engine in ctx.engines.items():
             arm_cfg = cfg.canary if arm == CANARY else cfg.baseline
+            # what the record shows (decision.json, report, webhook, the stable mark): no secrets;
+            # the replicas are started from ctx.engines, with the real env and args
             result.arms[arm] = {
                 "replicas": arm_cfg.replicas,
-                "engine": engine.model_dump(mode="json"),
+                "engine": redact_engine(engine.model_dump(mode="json")),
                 "tiny_model": arm_cfg.tiny_model.model_dump() if arm_cfg.tiny_model else None,
             }
         result.timings["prepare_s"] = time.monotonic() - t0

@@ -1,0 +1,149 @@
+"""Secrets stay out of every artifact: a config whose engine has `env: {HF_TOKEN: ...}`,
+`extra_args: [--api-key, ...]` and a webhook URL with a token in its path leaves none of them in
+the config dict as stored or shown, decision.json, report.md, the webhook's result and log
+lines, or the CLI's error line; while the replica still gets the real env and args."""
+
+from __future__ import annotations
+
+import json
+import logging
+from pathlib import Path
+from types import SimpleNamespace
+
+import pytest
+import yaml
+
+from cluster.arms import BASELINE, CANARY
+from rollout import cli
+from rollout.config import parse_config
+from rollout.redact import REDACTED, known_secrets, redact_config, redact_document, redact_engine, redact_url
+from rollout.report import markdown_report
+from rollout.result import RunResult, decision_document
+from tests.conftest import REPO
+
+HF_TOKEN = "hf_secret123"
+API_KEY = "sk-secret456"
+HOOK_TOKEN = "T0K3N-secret789"
+SECRETS = (HF_TOKEN, API_KEY, HOOK_TOKEN)
+
+
+def secret_config_data(webhook: str = f"https://hooks.example.com/services/{HOOK_TOKEN}") -> dict:
+    data = yaml.safe_load((REPO / "configs" / "local-cpu.yaml").read_text())
+    for arm in ("baseline", "canary"):
+        data[arm]["engine"] = {**data[arm]["engine"], "env": {"HF_TOKEN": HF_TOKEN, "OMP_PROC_BIND": "close"},
+                               "extra_args": ["--api-key", API_KEY, "--seed", "7"]}
+    data["webhook_url"] = webhook
+    return data
+
+
+def assert_no_secret(text: str) -> None:
+    leaked = [s for s in SECRETS if s in text]
+    assert not leaked, f"{leaked} in {text[:300]}"
+
+
+def prepared_result(tmp_path: Path, say) -> tuple[RunResult, dict]:
+    """RunResult after the real Prepare phase (no tiny model: nothing is written or started)."""
+    from rollout.phases.setup import Prepare
+
+    data = secret_config_data()
+    for arm in ("baseline", "canary"):
+        data[arm]["tiny_model"] = None
+        data[arm]["engine"]["model"] = "/models/real"
+    data["accuracy"]["path"] = "/data/golden.jsonl"  # not read by Prepare
+    cfg = parse_config(data)
+    result = RunResult(run_id="r1", run_dir=tmp_path / "r1", config=cfg)
+    ctx = SimpleNamespace(cfg=cfg, result=result, cache_dir=tmp_path / "cache", say=say, engines={})
+    Prepare().run(ctx)
+    return result, ctx.engines
+
+
+def test_the_decision_document_and_report_hold_no_secret(tmp_path):
+    lines: list[str] = []
+    result, engines = prepared_result(tmp_path, lines.append)
+    # the replicas are launched from ctx.engines: the real env and args
+    assert engines[CANARY].environment()["HF_TOKEN"] == HF_TOKEN
+    assert API_KEY in engines[CANARY].command(8000)
+    # the record: keys kept, values redacted
+    assert result.arms[CANARY]["engine"]["env"] == {"HF_TOKEN": REDACTED, "OMP_PROC_BIND": REDACTED}
+    assert result.arms[BASELINE]["engine"]["extra_args"] == ["--api-key", REDACTED, "--seed", "7"]
+    # free text that met a secret (a replica's error line, an engine warning) is scrubbed too
+    result.error = f"replica canary-0 exited: vllm ... --api-key {API_KEY} (HF_TOKEN={HF_TOKEN})"
+    result.engine_warnings = {"canary-0": [f"POST https://hooks.example.com/services/{HOOK_TOKEN} failed"]}
+    doc = decision_document(result)
+    text = json.dumps(doc)
+    assert_no_secret(text)
+    assert_no_secret(markdown_report(doc))
+    assert_no_secret("\n".join(lines))
+    assert "--api-key" in text and "HF_TOKEN" in text  # what was set still shows
+
+
+def test_decision_document_redacts_even_arms_recorded_raw(tmp_path):
+    cfg = parse_config(secret_config_data())
+    result = RunResult(run_id="r1", run_dir=tmp_path, config=cfg)
+    result.arms = {arm: {"replicas": 1, "engine": getattr(cfg, arm).engine.model_dump(mode="json"), "tiny_model": None}
+                   for arm in (BASELINE, CANARY)}
+    assert_no_secret(json.dumps(decision_document(result)))
+
+
+def test_the_config_as_stored_or_shown_holds_no_secret():
+    cfg = parse_config(secret_config_data())
+    dumped = cfg.model_dump(mode="json")
+    shown = redact_config(dumped)
+    assert_no_secret(json.dumps(shown))
+    assert shown["webhook_url"] == f"https://hooks.example.com/{REDACTED}"
+    assert shown["canary"]["engine"]["env"] == {"HF_TOKEN": REDACTED, "OMP_PROC_BIND": REDACTED}
+    assert redact_config(shown) == shown  # idempotent
+    assert dumped["canary"]["engine"]["env"]["HF_TOKEN"] == HF_TOKEN  # a copy: the config is untouched
+    # arms under any name and in lists (promoted.yaml's `baseline:`, a future list of arms)
+    other = {"arms": [{"name": "c2", "engine": dumped["canary"]["engine"]}], "baseline": dumped["canary"]}
+    assert_no_secret(json.dumps(redact_config(other)))
+    assert {HF_TOKEN, API_KEY} <= known_secrets(dumped)
+
+
+@pytest.mark.parametrize(
+    "url, shown",
+    [
+        ("https://hooks.example.com/services/T0/B0/XYZ", "https://hooks.example.com/<redacted>"),
+        ("https://user:pw@hooks.example.com:8443/x?token=abc#f", "https://hooks.example.com:8443/<redacted>"),
+        ("http://hooks.example.com", "http://hooks.example.com/<redacted>"),
+        ("not a url", "<redacted>"),
+        ("http://[::1]:99/x", "http://[::1]:99/<redacted>"),
+        ("http://h:99999/x", "<redacted>"),
+        (None, None),
+    ],
+)
+def test_a_webhook_url_keeps_scheme_and_host_only(url, shown):
+    assert redact_url(url) == shown
+    assert redact_url(shown) == shown
+
+
+def test_the_webhook_result_and_its_log_lines_hold_no_secret(caplog):
+    from rollout.webhook import post_decision
+
+    url = f"http://127.0.0.1:9/services/{HOOK_TOKEN}?sig={HOOK_TOKEN}"  # port 9: refused at once
+    with caplog.at_level(logging.WARNING, logger="mtp_canary.webhook"):
+        result = post_decision(url, {"decision": "promote"}, timeout_s=1, retries=2, deadline_s=3)
+    assert not result.ok and result.error
+    assert result.url == f"http://127.0.0.1:9/{REDACTED}"
+    assert_no_secret(" ".join([result.error, *result.errors, caplog.text]))
+
+
+def test_a_bad_config_error_line_names_the_flag_not_the_secret(tmp_path, capsys, monkeypatch):
+    data = secret_config_data()
+    data["canary"]["engine"]["extra_args"] = ["--api-key", API_KEY, f"--hos={HF_TOKEN}"]
+    bad = tmp_path / "bad.yaml"
+    bad.write_text(yaml.safe_dump(data))
+    monkeypatch.setattr(cli, "_start_run", lambda *a: pytest.fail("accepted"))
+    assert cli.main(["run", str(bad), "--runs-dir", str(tmp_path / "runs")]) == 2
+    err = capsys.readouterr().err
+    assert "--hos" in err
+    assert_no_secret(err)
+
+
+@pytest.mark.parametrize("run", sorted(p.name for p in (REPO / "tests" / "data" / "recorded_runs").iterdir()
+                                       if (p / "decision.json").exists()))
+def test_redaction_is_a_no_op_on_documents_without_secrets(run):
+    doc = json.loads((REPO / "tests" / "data" / "recorded_runs" / run / "decision.json").read_text())
+    assert redact_document(doc, known_secrets(doc)) == doc
+    for info in doc["arms"].values():
+        assert redact_engine(info["engine"]) == info["engine"]
