@@ -158,8 +158,9 @@ class Fleet:
                     options["namespace"] = self.namespace
                 if self.detached:
                     options["lifetime"] = "detached"
+                pg_name = f"{self.actor_name_prefix}gpus" if self.detached and self._placement_group is not None else None
                 actor = VLLMReplica.options(**options).remote(
-                    name, arm.name, engine.model_dump(), str(Path(self.log_dir).resolve()), self.bind_host
+                    name, arm.name, engine.model_dump(), str(Path(self.log_dir).resolve()), self.bind_host, pg_name
                 )
                 if self.lease_s:
                     # at once: an owner that dies before its first renewal must not leave an unleased replica

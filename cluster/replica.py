@@ -90,8 +90,11 @@ def read_tail(path: str | Path, lines: int = 40) -> list[str]:
 class VLLMReplicaServer:
     """The replica's logic; `VLLMReplica` is the Ray actor class built from it."""
 
-    def __init__(self, name: str, arm: str, spec: EngineSpec | dict, log_dir: str, host: str = "127.0.0.1"):
+    def __init__(self, name: str, arm: str, spec: EngineSpec | dict, log_dir: str, host: str = "127.0.0.1",
+                 placement_group_name: str | None = None):
         self.name = name
+        # the detached GPU reservation this replica runs in: nobody else frees it once the leases lapse
+        self.placement_group_name = placement_group_name
         self.arm = arm
         self.spec = spec if isinstance(spec, EngineSpec) else EngineSpec.model_validate(spec)
         self.host = host
@@ -103,7 +106,7 @@ class VLLMReplicaServer:
         self._state = ReplicaState.PENDING
         self._error: str | None = None
         self._ready_after_s: float | None = None
-        self._lease = Lease(f"replica {name}", on_lapse=lambda: self.stop(grace_s=10.0))
+        self._lease = Lease(f"replica {name}", on_lapse=self._abandoned)
 
     # -- start -----------------------------------------------------------------
     def planned_launch(self, port: int = 0) -> tuple[list[str], dict[str, str]]:
@@ -250,6 +253,22 @@ class VLLMReplicaServer:
 
     def log_tail(self, lines: int = 40) -> list[str]:
         return read_tail(self.log_path, lines)
+
+    def _abandoned(self) -> None:
+        """The lease lapsed (no controller renewed it): stop the server, free the GPU reservation.
+
+        Every replica of the run is renewed by the same keeper, so all lapse together; removing
+        the placement group ends those still in it (their reapers stop their servers)."""
+        try:
+            self.stop(grace_s=10.0)
+        finally:
+            if self.placement_group_name:
+                try:
+                    from ray.util import get_placement_group, remove_placement_group
+
+                    remove_placement_group(get_placement_group(self.placement_group_name))
+                except Exception:  # already removed by another replica of the fleet
+                    pass
 
     def release_lease(self) -> None:
         """No deadline: the actor stays until stopped (keep_fleet)."""

@@ -77,3 +77,21 @@ def test_a_fleet_the_cluster_cannot_hold_fails_at_once_naming_the_shortfall(fake
     with pytest.raises(FleetStartError, match="cannot place every replica"):
         fleet.start()
     assert gpus_free_within(8, 20)
+
+
+def test_an_abandoned_detached_fleet_frees_its_gpus_when_its_leases_lapse(fake_gpu_cluster, tmp_path):
+    # what a controller killed right after placing its fleet leaves: detached replicas in a
+    # detached placement group, each leased once at creation and never renewed
+    fleet = Fleet(
+        [ArmSpec(name="baseline", engine=tp4(1)), ArmSpec(name="canary", engine=tp4(3))],
+        log_dir=str(tmp_path),
+        progress=lambda m: None,
+        actor_name_prefix="abandoned-",
+        namespace="test-abandoned",
+        detached=True,
+        lease_s=3,
+    )
+    fleet.create_actors()
+    assert ray.available_resources().get("GPU", 0) == 0
+    # the reservation is the fleet's own: nothing frees it but the lapsed leases
+    assert gpus_free_within(8, 60), ray.util.placement_group_table()
