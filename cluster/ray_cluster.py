@@ -25,6 +25,9 @@ def connect(address: str | None = "auto", namespace: str | None = None, local_nu
             if want_cluster:
                 raise
     ray.init(
+        # "local", not None: ray.init() without an address joins a cluster it finds on the machine
+        # (another session's `ray start`, a test's cluster_utils cluster); this must be our own
+        address="local",
         namespace=namespace,
         num_cpus=local_num_cpus or os.cpu_count(),
         include_dashboard=False,
