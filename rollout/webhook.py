@@ -5,6 +5,11 @@ connection errors are retried; other 4xx are not: the receiver said no), stays
 within a bounded total time, logs what went wrong, and returns a `WebhookResult`.
 It never raises: the decision is already made and written when it is called.
 
+Only to `https://` (plain http only to a loopback receiver, for tests, or with
+`allow_http`), and never to where a redirect points: a 3xx is a failed
+delivery (a 307 to 127.0.0.1/internal/admin would otherwise get the whole
+decision). Logs and the result name the receiver by scheme and host only.
+
 Worst-case time: retries * timeout_s plus the back-off between tries
 (BACKOFF_S, doubling, capped), and never more than `deadline_s` when given
 (+0.25 s): each try runs in a daemon thread that the call stops waiting for when
@@ -13,12 +18,14 @@ its time is up, so even a server that trickles its answer cannot hold it.
 
 from __future__ import annotations
 
+import ipaddress
 import json
 import logging
 import threading
 import time
 from dataclasses import dataclass, field
 from typing import Any
+from urllib.parse import urlsplit
 
 import requests
 
@@ -64,11 +71,13 @@ def post_decision(
     timeout_s: float = 5,
     retries: int = 3,
     deadline_s: float | None = None,
+    allow_http: bool = False,
 ) -> WebhookResult:
     """POST `document` as JSON to `url`; at most `retries` tries, never raises.
 
     `timeout_s` bounds each try (connect and each read); `deadline_s` (default:
-    retries * timeout_s + the back-offs) bounds the whole call.
+    retries * timeout_s + the back-offs) bounds the whole call. `allow_http`:
+    a plain http:// receiver beyond loopback is accepted (the decision travels unencrypted).
     """
     started = time.monotonic()
     tries = max(1, int(retries))
@@ -77,6 +86,11 @@ def post_decision(
     # and error lines (requests names the URL in them) are scrubbed of the rest.
     shown, secrets = redact_url(url), known_secrets({"webhook_url": url})
     result = WebhookResult(ok=False, url=shown, attempts=0)
+    refusal = _url_refusal(url, allow_http)
+    if refusal is not None:  # nothing is sent
+        result.error = refusal
+        logger.error("webhook %s: %s", shown, refusal)
+        return result
     try:
         body = json.dumps(document, default=str).encode()
     except (TypeError, ValueError) as exc:  # cannot happen with default=str, but never raise
@@ -96,6 +110,8 @@ def post_decision(
             break
         if failure is None:
             line, retry = f"HTTP {status}: {text[:200]!r}", _retryable(status)
+            if 300 <= status < 400:
+                line = f"HTTP {status}: a redirect, not followed (the decision goes to the configured receiver only)"
         else:
             line, retry = failure
         line = scrub(line, secrets)
@@ -113,6 +129,29 @@ def post_decision(
     if not result.ok:
         logger.error("webhook %s gave up after %d try(s) in %.1f s: %s", shown, result.attempts, result.elapsed_s, result.error)
     return result
+
+
+def _url_refusal(url: str, allow_http: bool) -> str | None:
+    """Why the decision is not sent to `url` (None: it may be)."""
+    try:
+        parts = urlsplit(str(url))
+        host = parts.hostname or ""
+    except ValueError as exc:
+        return f"webhook URL is not a URL: {exc}"
+    if not host or parts.scheme not in ("https", "http"):
+        return f"webhook URL must be https://HOST/..., got scheme {parts.scheme!r} and host {host!r}"
+    if parts.scheme == "http" and not allow_http and not _is_loopback(host):
+        return f"webhook URL must be https:// (got http://{host}; allow_http sends the decision unencrypted)"
+    return None
+
+
+def _is_loopback(host: str) -> bool:
+    if host.lower() == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
 
 
 def _total_backoff(tries: int) -> float:
@@ -139,6 +178,8 @@ def _post_once(url: str, body: bytes, timeout_s: float) -> tuple[int | None, str
                     data=body,
                     headers={"Content-Type": "application/json", "User-Agent": USER_AGENT},
                     timeout=timeout_s,
+                    # A redirect is not followed: the receiver is the configured one or nobody.
+                    allow_redirects=False,
                 )
                 outcome["status"], outcome["text"] = response.status_code, response.text
         except requests.RequestException as exc:

@@ -144,3 +144,62 @@ def test_a_document_with_odd_values_is_still_sent():
     with Receiver([200]) as hook:
         result = post_decision(hook.url, {"when": time, "n": float("inf")})
     assert result.ok and hook.bodies[0]["when"].startswith("<module")
+
+
+class Redirector:
+    """Answers every POST with a 307 to `location` (a receiver must never follow it there)."""
+
+    def __init__(self, location: str) -> None:
+        class Handler(BaseHTTPRequestHandler):
+            def do_POST(self) -> None:  # noqa: N802
+                self.rfile.read(int(self.headers.get("Content-Length", 0)))
+                self.send_response(307)
+                self.send_header("Location", location)
+                self.send_header("Content-Length", "0")
+                self.end_headers()
+
+            def log_message(self, *args) -> None:
+                pass
+
+        self.server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+        self.server.daemon_threads = True
+        self.url = f"http://127.0.0.1:{self.server.server_address[1]}/hook-s3cret-path?token=t0ken"
+        self.thread = threading.Thread(target=self.server.serve_forever, daemon=True)
+
+    def __enter__(self) -> "Redirector":
+        self.thread.start()
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.server.shutdown()
+        self.server.server_close()
+
+
+def test_a_redirect_is_not_followed_and_is_a_failed_delivery(caplog):
+    caplog.set_level("WARNING", logger="mtp_canary.webhook")
+    with Receiver([200]) as admin, Redirector(admin.url.replace("/hook", "/internal/admin")) as hook:
+        result = post_decision(hook.url, DOC, timeout_s=2, retries=3)
+    assert admin.bodies == []  # the decision never reached where the redirect pointed
+    assert not result.ok and result.status == 307 and result.attempts == 1  # a 3xx is not retried
+    assert "307" in result.error and "redirect" in result.error
+    logged = "\n".join(record.getMessage() for record in caplog.records)
+    assert "307" in logged
+    # the receiver is named by scheme and host only: its path and query may be its credential
+    assert "127.0.0.1" in logged and "s3cret" not in logged and "t0ken" not in logged
+    assert "s3cret" not in result.url and "t0ken" not in str(result.to_dict())
+
+
+@pytest.mark.parametrize("url", ["http://hooks.example.com/s3cret?token=t0ken", "http://10.0.0.7:8080/s3cret"])
+def test_plain_http_beyond_loopback_is_refused_without_sending(url, caplog):
+    caplog.set_level("WARNING", logger="mtp_canary.webhook")
+    result = post_decision(url, DOC, timeout_s=1, retries=3)
+    assert not result.ok and result.attempts == 0 and result.status is None
+    assert "https://" in result.error and "allow_http" in result.error
+    logged = "\n".join(record.getMessage() for record in caplog.records)
+    assert "https://" in logged and "s3cret" not in logged and "t0ken" not in logged
+
+
+def test_allow_http_lets_a_plain_http_receiver_be_tried():
+    # 192.0.2.1 is TEST-NET-1: nothing answers; what matters is that it was tried
+    result = post_decision("http://192.0.2.1/hook", DOC, timeout_s=0.5, retries=1, allow_http=True)
+    assert not result.ok and result.attempts == 1 and "https" not in (result.error or "")
