@@ -324,6 +324,11 @@ class TargetProcess:
         self.url = line.split(" ", 1)[1].strip()
         return self
 
+    @property
+    def pid(self) -> int | None:
+        """The target's process id (to pin it to a core), None before it starts."""
+        return self._process.pid if self._process is not None else None
+
     def stats(self) -> dict[str, Any]:
         with urllib.request.urlopen(self.url + "/stats", timeout=10) as response:
             return json.loads(response.read())

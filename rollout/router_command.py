@@ -64,6 +64,8 @@ def _add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--port", type=int, default=0, help="port (default 0: any free one, printed)")
     parser.add_argument("--max-body-mb", type=float, default=RouterLimits().max_body_bytes / MIB,
                         help="request body cap in MiB (default %(default)g; beyond it 413)")
+    parser.add_argument("--max-connections", type=int, default=RouterLimits().max_connections,
+                        help="open client connections (default %(default)s; beyond them 503)")
     parser.add_argument("--auth-token-env", default=DEFAULT_TOKEN_ENV, metavar="VAR",
                         help="environment variable holding the bearer token clients must send (default %(default)s)")
 
@@ -103,7 +105,10 @@ def plan_from(args: argparse.Namespace) -> RouterPlan:
     if args.max_body_mb <= 0:
         raise ValueError(f"--max-body-mb must be > 0, got {args.max_body_mb:g}")
     try:
-        limits = RouterLimits(max_body_bytes=max(1, int(args.max_body_mb * MIB)), auth_token_env=args.auth_token_env)
+        limits = RouterLimits(
+            max_body_bytes=max(1, int(args.max_body_mb * MIB)), max_connections=args.max_connections,
+            auth_token_env=args.auth_token_env,
+        )
     except ValidationError as exc:
         raise ValueError(f"limits: {limits_error(exc)}") from None
     return RouterPlan(arms, arm_weights, limits)

@@ -82,11 +82,21 @@ def _stream(url: str, http: requests.Session, **headers: str) -> requests.Respon
     return http.post(f"{url}/v1/completions", json=body, headers=headers, timeout=30)
 
 
-@pytest.mark.parametrize("signum", [signal.SIGTERM, signal.SIGINT])
+@pytest.mark.parametrize("signum, dead_kind", [(signal.SIGTERM, "nobody_listening"), (signal.SIGINT, "answers_500")])
 def test_routes_ejects_a_dead_replica_and_stops_cleanly_on_a_signal(
-    target: TargetProcess, canary_target: TargetProcess, signum: int
+    target: TargetProcess, canary_target: TargetProcess, signum: int, dead_kind: str
 ) -> None:
-    dead = f"http://127.0.0.1:{_free_port_with_nothing_listening()}"
+    if dead_kind == "answers_500":
+        with TargetProcess(fail_status=500) as failing:
+            _routes_ejects_and_stops(target, canary_target, signum, failing.url, {200, 500})
+    else:
+        _routes_ejects_and_stops(target, canary_target, signum, f"http://127.0.0.1:{_free_port_with_nothing_listening()}",
+                                 {200, 502})
+
+
+def _routes_ejects_and_stops(
+    target: TargetProcess, canary_target: TargetProcess, signum: int, dead: str, statuses_seen: set[int]
+) -> None:
     router = RouterProcess("--arm", f"baseline={target.url}", "--arm", f"baseline={dead}", "--arm", f"canary={canary_target.url}",
                            "--weight", "baseline=100", "--weight", "canary=0")
     try:
@@ -98,7 +108,7 @@ def test_routes_ejects_a_dead_replica_and_stops_cleanly_on_a_signal(
         code, out = router.stop(signum) if router.process.poll() is None else (router.process.returncode, "")
         router.kill()
     assert code == 0 and "stopped" in out
-    assert statuses.count(200) >= 37 and set(statuses) <= {200, 502}  # the dead one: its 3 strikes, then ejected
+    assert statuses.count(200) == 37 and set(statuses) == statuses_seen  # the dead one: its 3 strikes, then ejected
     assert state["replica_counts"][dead]["routed"] == 3 and state["replica_counts"][dead]["ejections"] == 1
     assert pinned.status_code == 200 and pinned.headers["x-mtp-canary-arm"] == "canary"
     assert pinned.headers["x-mtp-canary-replica"] == canary_target.url
@@ -156,6 +166,7 @@ def test_a_token_from_the_named_variable_is_required(target: TargetProcess) -> N
         (["--arm", "baseline=http://127.0.0.1:8000", "--weight", "baseline=lots"], "must be a number"),
         (["--arm", "baseline=http://127.0.0.1:8000", "--weight", "baseline=0"], "positive weight"),
         (["--arm", "baseline=http://127.0.0.1:8000", "--max-body-mb", "0"], "--max-body-mb"),
+        (["--arm", "baseline=http://127.0.0.1:8000", "--max-connections", "0"], "max_connections"),
         (["--arm", "baseline=http://127.0.0.1:8000", "--host", "0.0.0.0", "--auth-token-env", "MTP_TEST_NO_TOKEN"],
          "MTP_TEST_NO_TOKEN"),
     ],
