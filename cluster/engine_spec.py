@@ -110,6 +110,11 @@ def printable_args(args: list[str]) -> list[str]:
     return out
 
 
+
+# Environment the replica sets itself (environment()); an engine's `env` may not override it.
+RESERVED_ENV = frozenset({"CUDA_VISIBLE_DEVICES", "OMP_NUM_THREADS", "LD_PRELOAD"})
+RESERVED_ENV_PREFIXES = ("VLLM_CPU_",)
+
 class CpuLimits(BaseModel):
     """How much of a CPU node one replica may use (vllm-cpu only).
 
@@ -172,6 +177,17 @@ class EngineSpec(BaseModel):
             error = reserved_flag_error(arg)
             if error:
                 raise ValueError(error)
+        return value
+
+    @field_validator("env")
+    @classmethod
+    def _env_does_not_override_owned_ones(cls, value: dict[str, str]) -> dict[str, str]:
+        # environment() sets these from the spec and from Ray's GPU assignment; an engine env
+        # overriding them would run another device, core binding or library than decision.json says
+        for key in value:
+            if key in RESERVED_ENV or key.startswith(RESERVED_ENV_PREFIXES):
+                raise ValueError(f"env: {key} is set from the engine spec (device, cpu, the GPUs Ray assigns); "
+                                 "use those fields instead")
         return value
 
     @model_validator(mode="after")

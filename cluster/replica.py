@@ -26,7 +26,7 @@ from pathlib import Path
 import ray
 import requests
 
-from cluster.engine_spec import EngineSpec
+from cluster.engine_spec import EngineSpec, printable_args
 from cluster.lease import Lease
 from cluster.metrics import MetricsSnapshot, parse_metrics
 from cluster.reaper import start_watchdog, stop_group
@@ -138,7 +138,8 @@ class VLLMReplicaServer:
         self._state = ReplicaState.STARTING
         self._log_offset = Path(self.log_path).stat().st_size if Path(self.log_path).exists() else 0
         log = open(self.log_path, "ab")
-        log.write(f"# mtp-canary replica {self.name} ({self.arm}): {' '.join(cmd)}\n".encode())
+        # the log may be read by anyone with the run directory: secret flag values redacted
+        log.write(f"# mtp-canary replica {self.name} ({self.arm}): {' '.join(printable_args(cmd))}\n".encode())
         log.flush()
         try:
             self._proc = subprocess.Popen(

@@ -9,21 +9,19 @@ from __future__ import annotations
 
 import argparse
 import json
-import re
 import signal
 import sys
 import time
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from rollout.run_id import run_id_error
+
 if TYPE_CHECKING:
     from rollout.config import RolloutConfig
 
 EXIT_USAGE = 2
-
-# A run id names a directory under --runs-dir and a Ray namespace: one path component, never
-# `..` (`--run-id ../../x` wrote outside the runs directory), checked before anything is written.
-RUN_ID_PATTERN = re.compile(r"[A-Za-z0-9][A-Za-z0-9._-]{0,127}")
+ROUTER_HELP = "serve the router alone (no Ray) in front of servers that already run"
 
 MAKE_MODEL_EPILOG = """\
 Measured with the default size (24 layers, hidden 1024) on vLLM 0.32 CPU, 2 cores,
@@ -42,15 +40,6 @@ perfect drafts: k=1 26.0 ms, k=3 12.2 ms (2.1x lower); server start 26-29 s.
 
 def _raise_keyboard_interrupt(signum, frame) -> None:
     raise KeyboardInterrupt
-
-
-def run_id_error(run_id: str, what: str) -> str | None:
-    """One line saying why `run_id` is no run id (naming `what`: --run-id, RUN_ID), or None."""
-    if RUN_ID_PATTERN.fullmatch(run_id) and ".." not in run_id:
-        return None
-    shown = repr(run_id) if len(run_id) <= 80 else repr(run_id[:80]) + "..."
-    return (f"{what}: {shown} is not a run id (letters, digits, '.', '_', '-', at most 128, "
-            "starting with a letter or digit, no '..')")
 
 
 def _refuse_run_id(run_id: str | None, what: str, command: str) -> bool:
@@ -136,21 +125,46 @@ def _cmd_resume(args: argparse.Namespace) -> int:
     if run["status"] == "done":
         print(f"mtp-canary resume: run {args.run_id} already decided ({run['decision']})", file=sys.stderr)
         return EXIT_USAGE
-    from rollout.config import ConfigError, parse_config
     from rollout.controller import Controller
-    from rollout.store import controller_alive
+    from rollout.store import run_controller_alive
 
-    if controller_alive(run.get("controller")):
-        print(f"mtp-canary resume: run {args.run_id} is still controlled by {run['controller']} (alive)", file=sys.stderr)
+    alive = run_controller_alive(run)
+    if alive or (alive is None and run.get("controller") and not args.force):
+        # None: on another host without a fresh heartbeat; two controllers on one fleet tear it down
+        how = "alive" if alive else "on another host, cannot tell if it is alive; --force if it is gone"
+        print(f"mtp-canary resume: run {args.run_id} is still controlled by {run['controller']} ({how})", file=sys.stderr)
         return EXIT_USAGE
-    try:
-        config = parse_config(json.loads(run["config_json"]))
-    except (ConfigError, ValueError) as exc:
-        print(f"mtp-canary resume: the stored config of {args.run_id} no longer validates: {exc}", file=sys.stderr)
+    config = _resume_config(args, run)
+    if config is None:
         return EXIT_USAGE
     return _drive(
         Controller(config, runs_dir=Path(args.runs_dir), run_id=args.run_id, progress=lambda m: print(m, flush=True), resume=True)
     )
+
+
+def _resume_config(args: argparse.Namespace, run: dict) -> RolloutConfig | None:
+    """The run's config: the stored one, or (its secrets are not stored) the file given again,
+    which must be the same config; None after one line on stderr."""
+    from rollout.config import ConfigError, load_config, parse_config
+    from rollout.redact import REDACTED, redact_config
+
+    stored = json.loads(run["config_json"])
+    try:
+        if args.config is None:
+            if REDACTED in run["config_json"]:
+                print(f"mtp-canary resume: run {args.run_id}'s config has secrets, which are never stored: "
+                      "give its config file again with --config FILE", file=sys.stderr)
+                return None
+            return parse_config(stored)
+        config = load_config(args.config)
+    except (ConfigError, ValueError) as exc:
+        print(f"mtp-canary resume: the config of {args.run_id} does not validate: {exc}", file=sys.stderr)
+        return None
+    given = redact_config(config.model_dump(mode="json"))
+    if json.dumps(given, sort_keys=True) != json.dumps(stored, sort_keys=True):
+        print(f"mtp-canary resume: --config {args.config} is not the config run {args.run_id} started with", file=sys.stderr)
+        return None
+    return config
 
 
 def _cmd_make_model(args: argparse.Namespace) -> int:
@@ -309,6 +323,20 @@ def _cmd_status(args: argparse.Namespace) -> int:
     return 0
 
 
+def _add_resume_parser(sub: argparse._SubParsersAction) -> None:
+    resume = sub.add_parser(
+        "resume",
+        help="continue a run whose controller died: reattach to its actors (or restart them) and reach a decision",
+    )
+    resume.add_argument("run_id", metavar="RUN_ID")
+    resume.add_argument("--runs-dir", default="runs")
+    resume.add_argument("--config", default=None, metavar="FILE",
+                        help="the run's config file again (needed when it has secrets: they are never stored)")
+    resume.add_argument("--force", action="store_true",
+                        help="take over from a controller on another host that no heartbeat shows alive or dead")
+    resume.set_defaults(func=_cmd_resume)
+
+
 def build_parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="mtp-canary", description=__doc__.splitlines()[0])
     sub = parser.add_subparsers(dest="command", required=True)
@@ -328,13 +356,10 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--eval-limit", type=int, default=None, help="override accuracy.limit")
     run.set_defaults(func=_cmd_run)
 
-    resume = sub.add_parser(
-        "resume",
-        help="continue a run whose controller died: reattach to its actors (or restart them) and reach a decision",
-    )
-    resume.add_argument("run_id", metavar="RUN_ID")
-    resume.add_argument("--runs-dir", default="runs")
-    resume.set_defaults(func=_cmd_resume)
+    _add_resume_parser(sub)
+
+    # parsed by rollout.router_command (see main): listed here for --help
+    sub.add_parser("router", help=ROUTER_HELP, add_help=False)
 
     make = sub.add_parser(
         "make-model",
@@ -388,6 +413,12 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if argv[:1] == ["router"]:
+        # its own parser (and cluster.router's imports) only for this command: the others start fast
+        from rollout import router_command
+
+        return router_command.main(argv[1:])
     parser = build_parser()
     args = parser.parse_args(argv)
     return args.func(args)

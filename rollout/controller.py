@@ -49,10 +49,12 @@ from rollout.phases.preflight import Preflight
 from rollout.phases.progressive import Progressive
 from rollout.phases.setup import Prepare, StartFleet
 from rollout.phases.sweep import Sweep
+from rollout.redact import REDACTED, known_secrets, redact_config, redact_url, scrub
 from rollout.report import write_reports
 from rollout.result import RunResult, decision_document
 from rollout.resume import CONTROLLER_RESUME, ResumePoint, load_resume_point
 from rollout.run_context import InfrastructureError, LeaseKeeper, Progress, RunContext, run_namespace
+from rollout.run_id import run_id_error
 from rollout.store import RunStore, controller_identity
 from rollout.webhook import post_decision
 from tinymodel.checkpoint import DEFAULT_CACHE
@@ -81,6 +83,9 @@ class Controller:
     ):
         runs_dir = Path(runs_dir)
         run_id = run_id or new_run_id(config.name)
+        problem = run_id_error(run_id, "run_id")
+        if problem:  # a path component and a Ray namespace: never `../x`
+            raise ValueError(problem)
         store = RunStore(runs_dir / "history.db")
         point = load_resume_point(store, run_id) if resume else ResumePoint.fresh()
         result = RunResult(run_id=run_id, run_dir=runs_dir / run_id, config=config)
@@ -121,7 +126,8 @@ class Controller:
         except Exception as exc:
             # Fail closed: whatever else broke (a Ray actor that died, a bug) is an error of the
             # run, never a verdict, even after a committed PROMOTE (its later phases did not run).
-            ctx.say("unexpected error:\n" + "".join(traceback.format_exception(exc)).rstrip())
+            trace = "".join(traceback.format_exception(exc)).rstrip()
+            ctx.say("unexpected error:\n" + scrub(trace, known_secrets(ctx.cfg.model_dump(mode="json"))))
             self._fail(f"unexpected {type(exc).__name__}: {exc}")
         finally:
             ctx.leases.stop()
@@ -132,6 +138,8 @@ class Controller:
     def _fail(self, error: str) -> None:
         """End the run as an infrastructure error: no verdict, so the stable config serves."""
         ctx = self.ctx
+        # an error's text may quote a replica's command line or a URL: never a secret in the log or the store
+        error = scrub(error, known_secrets(ctx.cfg.model_dump(mode="json")))
         ctx.result.error = error
         ctx.say(f"infrastructure error: {error}")
         ctx.event("error", "infrastructure_error", error.splitlines()[0] if error else "")
@@ -165,7 +173,8 @@ class Controller:
             ctx.event(point.last_phase, CONTROLLER_RESUME, f"attempt {ctx.attempt} by {controller_identity()}")
         else:
             model = cfg.baseline.engine.model if cfg.baseline.tiny_model is None else "tiny-mimo-v2"
-            ctx.store.create_run(ctx.run_id, cfg.name, model, cfg.model_dump(mode="json"))
+            # redacted: a resume of a run with secrets is given the config file again (cli resume --config)
+            ctx.store.create_run(ctx.run_id, cfg.name, model, redact_config(cfg.model_dump(mode="json")))
             ctx.event("prepare", "start", f"run {ctx.run_id}")
             ctx.say(f"run {ctx.run_id}: {cfg.name} -> {ctx.run_dir}")
         ctx.store.update_run(ctx.run_id, status="running", controller=controller_identity(), heartbeat_at=time.time())
@@ -214,12 +223,12 @@ class Controller:
         if ctx.cfg.webhook_url:
             outcome = post_decision(ctx.cfg.webhook_url, decision_document(result))
             state = f"delivered (HTTP {outcome.status})" if outcome.ok else f"not delivered: {outcome.error}"
-            ctx.say(f"webhook: {ctx.cfg.webhook_url}: {state} after {outcome.attempts} attempt(s)")
+            ctx.say(f"webhook: {redact_url(ctx.cfg.webhook_url)}: {state} after {outcome.attempts} attempt(s)")
 
     def _write_promoted(self, model: str) -> None:
         """The canary's arm is the stable one (the store says so): promoted.yaml is an arm spec a later run can use as baseline."""
         ctx = self.ctx
-        canary = ctx.cfg.canary.model_dump(mode="json", exclude_none=True)
+        canary = redact_config(ctx.cfg.canary.model_dump(mode="json", exclude_none=True))
         if ctx.cfg.canary.tiny_model is None:
             canary.pop("tiny_model", None)
         promoted = {"promoted_from_run": ctx.run_id, "baseline": canary}
@@ -227,6 +236,8 @@ class Controller:
         write_atomically(
             path,
             "# The promoted (now stable) arm of run " + ctx.run_id + ": paste under `baseline:` of the next run.\n"
+            + (f"# Secret values are shown as {REDACTED}: fill them in from where you keep them.\n"
+               if REDACTED in yaml.safe_dump(canary) else "")
             + yaml.safe_dump(promoted, sort_keys=False),
         )
         ctx.event("decide", "stable", f"{path.name} written; stable config for {model}")

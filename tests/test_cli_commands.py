@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import time
 import sqlite3
 import subprocess
 import sys
@@ -264,3 +265,25 @@ def test_supersede_keeps_an_interrupted_attempt_apart(tmp_path):
     assert store.count_request_samples("r", "experiment") == 0
     assert store.count_request_samples("r", "experiment@attempt-1") == 1  # kept, not judged again
     assert store.phase_results("r", "experiment") == [] and store.phase_results("r", "progressive") == [{"kept": True}]
+
+
+def test_resume_takes_over_from_another_host_only_when_its_heartbeat_is_stale_or_forced(runs, capsys, monkeypatch):
+    from rollout import cli as cli_module
+
+    started: list = []
+    monkeypatch.setattr(cli_module, "_drive", lambda controller: started.append(controller) or 0)
+    from rollout.config import load_config
+
+    store = RunStore(runs / "history.db")
+    store.create_run("r-away", "demo", "m", load_config(REPO / "configs" / "local-cpu.yaml").model_dump(mode="json"))
+    store.update_run("r-away", controller="other-host.invalid:77", heartbeat_at=time.time())
+    assert main(["resume", "r-away", "--runs-dir", str(runs)]) == 2  # fresh heartbeat: alive over there
+    assert "still controlled by other-host.invalid:77 (alive)" in capsys.readouterr().err
+    store.update_run("r-away", heartbeat_at=None)  # an old controller that never beat: cannot tell
+    assert main(["resume", "r-away", "--runs-dir", str(runs)]) == 2
+    assert "--force if it is gone" in capsys.readouterr().err
+    assert not started
+    store.update_run("r-away", heartbeat_at=time.time() - 3600)  # silent for longer than a lease: gone
+    assert main(["resume", "r-away", "--runs-dir", str(runs)]) == 0 and len(started) == 1
+    store.update_run("r-away", heartbeat_at=None)
+    assert main(["resume", "r-away", "--runs-dir", str(runs), "--force"]) == 0 and len(started) == 2

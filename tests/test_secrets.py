@@ -147,3 +147,114 @@ def test_redaction_is_a_no_op_on_documents_without_secrets(run):
     assert redact_document(doc, known_secrets(doc)) == doc
     for info in doc["arms"].values():
         assert redact_engine(info["engine"]) == info["engine"]
+
+
+# -- what the controller stores and writes ------------------------------------------------
+def secret_controller(tmp_path, monkeypatch, *phases):
+    from rollout import controller as controller_module
+
+    monkeypatch.setattr(controller_module, "PHASES", phases)
+    return controller_module.Controller(parse_config(secret_config_data()), runs_dir=tmp_path, run_id="s1",
+                                        progress=lambda m: None)
+
+
+class PromotesWithSecrets:
+    name = "decide"
+
+    def enabled(self, ctx) -> bool:
+        return True
+
+    def run(self, ctx) -> None:
+        from rollout.judge.verdicts import Decision
+
+        ctx.result.decision = Decision.PROMOTE
+        ctx.result.reason = "every gate passed"
+        ctx.result.arms = {arm: {"replicas": 1, "engine": redact_engine(ctx.cfg.canary.engine.model_dump(mode="json"))}
+                           for arm in (BASELINE, CANARY)}
+
+
+class FailsQuotingTheCommandLine:
+    name = "fleet"
+
+    def enabled(self, ctx) -> bool:
+        return True
+
+    def run(self, ctx) -> None:
+        from rollout.run_context import InfrastructureError
+
+        raise InfrastructureError(f"replica canary-0 failed: python -m vllm... --api-key {API_KEY} (HF_TOKEN={HF_TOKEN})")
+
+
+def test_the_store_and_promoted_yaml_hold_no_secret(tmp_path, monkeypatch):
+    import sqlite3
+
+    result = secret_controller(tmp_path, monkeypatch, PromotesWithSecrets()).run()
+    assert result.exit_code == 0
+    promoted = (tmp_path / "s1" / "promoted.yaml").read_text()
+    assert_no_secret(promoted)
+    assert REDACTED in promoted and "fill them in" in promoted
+    with sqlite3.connect(tmp_path / "history.db") as db:
+        for table in ("runs", "events", "stable"):
+            assert_no_secret(json.dumps(db.execute(f"SELECT * FROM {table}").fetchall()))
+    assert_no_secret((tmp_path / "s1" / "decision.json").read_text())
+
+
+def test_an_error_that_quotes_a_secret_is_scrubbed_in_the_log_and_the_store(tmp_path, monkeypatch):
+    import sqlite3
+
+    lines: list[str] = []
+    ctl = secret_controller(tmp_path, monkeypatch, FailsQuotingTheCommandLine())
+    ctl.ctx.progress = lines.append
+    result = ctl.run()
+    assert result.exit_code == 1 and "--api-key" in result.error
+    assert_no_secret(result.error)
+    assert_no_secret("\n".join(lines))
+    with sqlite3.connect(tmp_path / "history.db") as db:
+        assert_no_secret(json.dumps(db.execute("SELECT * FROM events").fetchall() + db.execute("SELECT * FROM runs").fetchall()))
+
+
+def test_a_run_with_secrets_resumes_only_with_its_config_file_given_again(tmp_path, monkeypatch, capsys):
+    from rollout.store import RunStore
+
+    config_file = tmp_path / "secret.yaml"
+    config_file.write_text(yaml.safe_dump(secret_config_data()))
+    store = RunStore(tmp_path / "history.db")
+    store.create_run("s2", "n", "m", redact_config(parse_config(secret_config_data()).model_dump(mode="json")))
+    store.update_run("s2", controller="gone-host.invalid:1")
+    started: list = []
+    monkeypatch.setattr(cli, "_drive", lambda controller: started.append(controller) or 0)
+    assert cli.main(["resume", "s2", "--runs-dir", str(tmp_path), "--force"]) == 2
+    assert "give its config file again with --config FILE" in capsys.readouterr().err
+    other = secret_config_data()
+    other["experiment"]["requests_per_arm"] = 123
+    other_file = tmp_path / "other.yaml"
+    other_file.write_text(yaml.safe_dump(other))
+    assert cli.main(["resume", "s2", "--runs-dir", str(tmp_path), "--force", "--config", str(other_file)]) == 2
+    assert "is not the config run s2 started with" in capsys.readouterr().err
+    assert not started
+    assert cli.main(["resume", "s2", "--runs-dir", str(tmp_path), "--force", "--config", str(config_file)]) == 0
+    (controller,) = started
+    assert controller.ctx.cfg.canary.engine.env["HF_TOKEN"] == HF_TOKEN  # the real secrets start the replicas
+
+
+def test_the_replica_log_names_no_secret_flag_value(tmp_path):
+    from cluster.engine_spec import EngineSpec
+    from cluster.replica import VLLMReplicaServer
+
+    spec = EngineSpec(model="m", device="cpu", extra_args=["--api-key", API_KEY], env={"HF_TOKEN": HF_TOKEN},
+                      startup_timeout_s=1)
+    replica = VLLMReplicaServer("canary-0", "canary", spec, str(tmp_path))
+    replica.launch()  # a real launch: python -m vllm... on a model that does not exist; it exits
+    replica.stop(grace_s=2)
+    header = (tmp_path / "canary-0.log").read_text().splitlines()[0]
+    assert "--api-key" in header
+    assert_no_secret(header)
+
+
+@pytest.mark.parametrize("key", ["CUDA_VISIBLE_DEVICES", "OMP_NUM_THREADS", "LD_PRELOAD", "VLLM_CPU_OMP_THREADS_BIND"])
+def test_an_engine_env_cannot_override_what_the_replica_sets(key):
+    from cluster.engine_spec import EngineSpec
+
+    with pytest.raises(ValueError, match=f"env: {key} is set from the engine spec"):
+        EngineSpec(model="m", env={key: "0"})
+    EngineSpec(model="m", env={"HF_HOME": "/cache"})  # anything else is the user's
