@@ -9,7 +9,8 @@ outlier ejection, and the `RouterLimits`. `--arm NAME=URL` once per replica;
 without `--weight` everything goes to the arm named baseline (as a run's router
 before its first judgement) or, with no such arm, evenly to all. It prints its URL,
 serves until SIGINT or SIGTERM, then stops cleanly. Exit codes: 0 stopped by a
-signal, 2 bad arguments, 1 could not listen.
+signal, 2 bad arguments, 1 could not listen. Its event loop is uvloop when that is
+installed, as a Ray actor's is.
 
 `add_parser(subparsers)` adds the command to the CLI's subparsers; `run(args)` runs it;
 `python -m rollout.router_command ...` runs it alone.
@@ -22,6 +23,7 @@ import asyncio
 import logging
 import signal
 import sys
+from collections.abc import Callable
 from dataclasses import dataclass
 
 from pydantic import ValidationError
@@ -78,7 +80,17 @@ def run(args: argparse.Namespace) -> int:
         print(f"{PROG}: {exc}", file=sys.stderr)
         return EXIT_USAGE
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(message)s")
-    return asyncio.run(_serve(plan, args.host, args.port))
+    with asyncio.Runner(loop_factory=_loop_factory()) as runner:
+        return runner.run(_serve(plan, args.host, args.port))
+
+
+def _loop_factory() -> Callable[[], asyncio.AbstractEventLoop] | None:
+    """uvloop when installed, as Ray runs its async actors (the Router actor) unless RAY_USE_UVLOOP=0."""
+    try:
+        import uvloop
+    except ImportError:
+        return None
+    return uvloop.new_event_loop
 
 
 def plan_from(args: argparse.Namespace) -> RouterPlan:
