@@ -141,10 +141,12 @@ def test_a_big_effect_stops_early_and_every_request_has_one_record(local_ray, tm
             received = sum(RouterClient(router, url).request_counts().values()) - before
     summary = outcome.summary
     assert verdicts(outcome)["tpot_p50_improvement"] == Verdict.PASS
-    # the objective is shown at the first look (ratio 0.4: upper bound ~0.55 at look 1's strict
-    # boundary); the phase stops once the guardrails are shown too, long before the plan's end
-    assert summary["looks"][0]["verdicts"]["tpot_p50_improvement"] == "pass"
-    assert len(summary["looks"]) <= 2 and summary["planned_looks"] == 6, lines
+    # the objective is shown at an early look (ratio 0.4: upper bound ~0.55 at look 1's strict
+    # boundary, on a quiet machine), and the phase stops once the guardrails are shown too, long
+    # before the plan's end (a machine slowed to a quarter, its cores shared with other tests,
+    # adds client-side jitter that can leave look 1 short of the strict first boundary)
+    assert "pass" in [look["verdicts"]["tpot_p50_improvement"] for look in summary["looks"][:2]]
+    assert len(summary["looks"]) <= 3 and summary["planned_looks"] == 6, lines
     assert summary["information"] < 1.0
     assert any("stopping early" in line for line in lines)
     # none lost between looks: every request the router received is one stored record
@@ -203,14 +205,24 @@ def test_a_replica_that_dies_mid_phase_ends_it_as_an_error_naming_it_with_its_re
         def alive() -> dict[str, bool]:  # what the replica actors' liveness says: the server process
             return {name: proc.poll() is None for name, proc in servers.items()}
 
-        killer = threading.Timer(3.0, servers["baseline-0"].kill)
+        records = tmp_path / "experiment" / "records.jsonl"
+        stop = threading.Event()
+
+        def kill_once_the_load_flows() -> None:  # mid-phase on any machine: after records exist
+            while not stop.is_set():
+                if records.exists() and records.read_text().count("\n") >= 20:
+                    servers["baseline-0"].kill()
+                    return
+                time.sleep(0.2)
+
+        killer = threading.Thread(target=kill_once_the_load_flows, daemon=True)
         killer.start()
         try:
             with routed(baseline.url, canary.url) as (router, url):
                 with pytest.raises(InfrastructureError, match="replica baseline-0 died"):
                     run_phase(tmp_path, router, url, exp, GATES, replicas_alive=alive)
         finally:
-            killer.cancel()
+            stop.set()
     # what arrived before the death is kept (a post-mortem has it), not judged into a verdict
     store = RunStore(tmp_path / "history.db")
     assert store.count_request_samples("exp", "experiment") > 0

@@ -199,8 +199,9 @@ def test_open_loop_steps_keep_the_global_schedule(tmp_path):
 
 def test_a_generator_that_cannot_keep_up_says_so(tmp_path):
     # 20 requests/s of 0.2 s each need 4 users; one user falls further behind with every request
+    # (0.15 s per request: p99 past 500 ms after ~5 requests; 8 s leave room for a slow start)
     with TargetProcess(ttft_ms=10, tpot_ms=10, tokens_per_chunk=1) as target:
-        spec = SwarmSpec(host=target.url, users=1, run_time_s=3, n_workers=0, stop_timeout_s=5,
+        spec = SwarmSpec(host=target.url, users=1, run_time_s=8, n_workers=0, stop_timeout_s=5,
                          traffic=TrafficOptions(records=str(tmp_path / "late.jsonl"), max_tokens=20, rate=20.0,
                                                 arrival="constant", lag_warn_ms=50))
         result = Swarm(spec).run(timeout_s=240)
