@@ -253,9 +253,9 @@ class Forwarder:
                     if request.transport is not None:
                         request.transport.close()
                     return response
+                watch.last = math.inf  # a slow client is not a silent replica
                 if not chunk:
                     break
-                watch.last = math.inf  # a slow client is not a silent replica
                 try:
                     await response.write(chunk)
                 except ConnectionError:
