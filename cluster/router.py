@@ -46,6 +46,7 @@ from yarl import URL
 
 from cluster.arms import ARM_HEADER, BASELINE, CANARY
 from cluster.lease import Lease
+from loadtests.options import BEARER_TOKEN_ENV
 from cluster.router_limits import (
     BodyRefused,
     CappedSockSite,
@@ -301,7 +302,7 @@ class RouterServer:
 
     # ---- lifecycle -------------------------------------------------------
 
-    async def start(self, host: str = "127.0.0.1", port: int = 0) -> str:
+    async def start(self, host: str = "127.0.0.1", port: int = 0, token: str | None = None) -> str:
         """Serve on host:port (port 0: a free one); returns the base URL.
 
         Calling it again on a started router returns the same URL (a
@@ -316,8 +317,9 @@ class RouterServer:
                 raise RuntimeError(f"router already serves on {self._url}; cannot also bind {host}:{port}")
             return self._url
         limits = self._limits
-        # Read here, in the process that serves: the Ray actor's environment, not the caller's.
-        token = limits.auth_token()
+        # Given by the controller (who hands it to its clients too), or read here, in the process
+        # that serves: the Ray actor's environment, not the caller's.
+        token = token or limits.auth_token()
         check_bind(host, token, limits)
         self._token = token
         await self._forwarder.open(strip_authorization=token is not None)
@@ -599,9 +601,17 @@ __all__ = [
 class RouterClient:
     """The driver's side of one Router actor: its URL, weights, arms and counts (each call bounded)."""
 
-    def __init__(self, actor: Any, url: str) -> None:
+    def __init__(self, actor: Any, url: str, token: str | None = None) -> None:
         self.actor = actor
         self.url = url
+        self.token = token  # the bearer token clients send (None: the router needs none)
+
+    def __repr__(self) -> str:  # never the token
+        return f"RouterClient({self.url})"
+
+    def client_env(self) -> dict[str, str]:
+        """What a Locust process needs in its environment to be let in."""
+        return {BEARER_TOKEN_ENV: self.token} if self.token else {}
 
     @property
     def id(self) -> str:

@@ -21,6 +21,7 @@ mid-stream chunk (`StreamReader.feed`).
 from __future__ import annotations
 
 import json
+import os
 import platform
 import socket as _socket
 import struct
@@ -37,6 +38,7 @@ from gevent.socket import socket as _GeventSocket
 from gevent.socket import wait as wait_on_watcher
 from geventhttpclient import HTTPClient
 
+from loadtests.options import BEARER_TOKEN_ENV
 from loadtests.records import Endpoint, RequestRecord
 from loadtests.sse import SseDecoder, TimedEvent
 
@@ -499,6 +501,8 @@ class OpenAIStreamClient:
         self.base_url = base_url
         self._path_prefix = parts.path.rstrip("/")
         self._timeout_s = timeout_s
+        token = os.environ.get(BEARER_TOKEN_ENV)
+        self._bearer = f"Bearer {token}" if token else None
         self._http = HTTPClient.from_url(
             base_url,
             concurrency=1,
@@ -544,6 +548,8 @@ class OpenAIStreamClient:
         }
         if request.pinned_arm:
             headers[ARM_HEADER] = request.pinned_arm
+        if self._bearer:
+            headers["Authorization"] = self._bearer
 
         status = 0
         arm: str | None = None

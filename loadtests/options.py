@@ -22,6 +22,10 @@ from loadtests.datasets import DatasetKind, LengthDistribution
 from loadtests.profiles import LoadProfile
 from loadtests.records import Endpoint
 
+# The router's bearer token, when it needs one (it binds beyond loopback): handed to every
+# Locust process in its environment by whoever starts the load, never on a command line.
+BEARER_TOKEN_ENV = "MTP_CANARY_BEARER_TOKEN"
+
 FLAG_PREFIX = "mtp"
 
 

@@ -77,7 +77,8 @@ class SwarmSpec(BaseModel):
     )
     master_port: int | None = Field(None, description="master's port for workers (default: a free one)")
     startup_timeout_s: float = Field(60.0, gt=0, description="how long the workers get to connect")
-    env: dict[str, str] = Field(default_factory=dict, description="extra environment for every Locust process")
+    # repr=False: it may carry the router's bearer token; a logged spec must not show it
+    env: dict[str, str] = Field(default_factory=dict, repr=False, description="extra environment for every Locust process")
     locustfile: Path = LOCUSTFILE
     log_dir: Path | None = Field(None, description="where master.log and worker-N.log go (default: next to records)")
     python: str = Field(default_factory=lambda: sys.executable)

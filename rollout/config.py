@@ -15,6 +15,7 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from cluster.engine_spec import EngineSpec
+from cluster.router_limits import RouterLimits
 from rollout.evals import EvalSpec
 from rollout.judge.config import GatesConfig, GuardConfig
 from rollout.judge.stats import MAX_PLANNED_LOOKS
@@ -227,6 +228,12 @@ class RolloutConfig(BaseModel):
     gates: GatesConfig = Field(default_factory=GatesConfig)
     progressive: ProgressiveConfig = Field(default_factory=ProgressiveConfig)
     webhook_url: str | None = Field(None, description="POST decision.json here when the run ends (never blocks it)")
+    webhook_allow_http: bool = Field(False, description="allow a plain http:// webhook beyond loopback")
+    router: RouterLimits = Field(
+        default_factory=RouterLimits,
+        description="the router's limits (body cap, deadlines, connections, upstream timeouts, ejection) and "
+        "auth_token_env: beyond loopback a bearer token is required (from that variable, else one per run)",
+    )
     keep_fleet: bool = Field(False, description="leave the replicas running after the decision")
     startup_timeout_s: float = Field(900, gt=0, description="all replicas must be ready within this")
     lease_s: float = Field(

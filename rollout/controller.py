@@ -221,7 +221,7 @@ class Controller:
         paths = write_reports(result)
         ctx.say(f"report: {paths['decision']} and {paths['report']}")
         if ctx.cfg.webhook_url:
-            outcome = post_decision(ctx.cfg.webhook_url, decision_document(result))
+            outcome = post_decision(ctx.cfg.webhook_url, decision_document(result), allow_http=ctx.cfg.webhook_allow_http)
             state = f"delivered (HTTP {outcome.status})" if outcome.ok else f"not delivered: {outcome.error}"
             ctx.say(f"webhook: {redact_url(ctx.cfg.webhook_url)}: {state} after {outcome.attempts} attempt(s)")
 

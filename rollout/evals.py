@@ -317,11 +317,12 @@ def completion_request(model: str, item: EvalItem, spec: EvalSpec) -> dict[str, 
 class _Requester:
     """Posts completions with one requests.Session per thread (Session is not thread-safe)."""
 
-    def __init__(self, base_url: str, model: str, spec: EvalSpec, arm_header: str):
+    def __init__(self, base_url: str, model: str, spec: EvalSpec, arm_header: str, token: str | None = None):
         self.url = base_url.rstrip("/") + "/v1/completions"
         self.model = model
         self.spec = spec
         self.arm_header = arm_header
+        self._auth = {"Authorization": f"Bearer {token}"} if token else {}
         self._local = threading.local()
 
     def _session(self) -> requests.Session:
@@ -362,7 +363,7 @@ class _Requester:
         response = self._session().post(
             self.url,
             json=completion_request(self.model, item, self.spec),
-            headers={self.arm_header: arm},
+            headers={self.arm_header: arm, **self._auth},
             timeout=self.spec.request_timeout_s,
         )
         if response.status_code != 200:
@@ -393,6 +394,7 @@ def evaluate_batch(
     spec: EvalSpec,
     arm_header: str = ARM_HEADER,
     on_item_done: Callable[[str, int], None] | None = None,
+    token: str | None = None,
 ) -> dict[str, list[ItemOutcome]]:
     """Every item to every arm (pinned by header), arms at the same time; outcomes in item order per arm.
 
@@ -406,7 +408,7 @@ def evaluate_batch(
         raise ValueError(f"arms must be distinct, got {list(arms)}")
     if not arms or not items:
         return {arm: [] for arm in arms}
-    requester = _Requester(base_url, model, spec, arm_header)
+    requester = _Requester(base_url, model, spec, arm_header, token)  # token: the router's bearer token
     pools = {arm: ThreadPoolExecutor(max_workers=spec.concurrency, thread_name_prefix=f"eval-{arm}") for arm in arms}
     slots: dict[Future, tuple[str, int]] = {}
     outcomes: dict[str, list[ItemOutcome | None]] = {arm: [None] * len(items) for arm in arms}

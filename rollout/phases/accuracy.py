@@ -98,7 +98,7 @@ class Accuracy:
         watch = ReplicaWatch("accuracy", ctx.replicas_alive)
         for start in range(0, len(items), batch_size):
             batch = items[start : start + batch_size]
-            got = evaluate_batch(ctx.router.url, ctx.served_model, batch, arms, spec)
+            got = evaluate_batch(ctx.router.url, ctx.served_model, batch, arms, spec, token=ctx.router.token)
             for arm in arms:
                 outcomes[arm].extend(got[arm])
                 ctx.store.add_eval_outcomes(ctx.run_id, got[arm])

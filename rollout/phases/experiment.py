@@ -43,7 +43,7 @@ class Experiment:
         )
         spec = ctx.traffic.swarm_spec(
             ctx.router.url, traffic, exp.users_per_replica * 2 * replicas, int(exp.max_duration_s + LOAD_MARGIN_S),
-            out / "locust", stop_timeout_s=LOAD_STOP_TIMEOUT_S,
+            out / "locust", stop_timeout_s=LOAD_STOP_TIMEOUT_S, env=ctx.router.client_env(),
         )
         if exp.web_ui:
             ctx.say(f"experiment: Locust web UI at http://{spec.web_host}:{spec.web_port} until the last look")

@@ -80,6 +80,7 @@ class StepRunner:
             stop_timeout_s=SWARM_STOP_TIMEOUT_S,
             log_dir=out / "locust",
             master_bind_host=ctx.master_bind_host,
+            env=ctx.router.client_env(),
         )
 
     def open_ledger(self) -> None:

@@ -4,6 +4,7 @@ resumed run, adopted from the attempt that died."""
 
 from __future__ import annotations
 
+import secrets
 import time
 from pathlib import Path
 from typing import Any
@@ -15,6 +16,7 @@ from cluster.arms import BASELINE, CANARY
 from cluster.fleet import ArmSpec, Fleet
 from cluster.ray_cluster import connect, find_actor, kill_quietly
 from cluster.router import Router, RouterClient
+from cluster.router_limits import is_loopback
 from rollout.config import TWIN, ArmConfig
 from rollout.redact import redact_engine
 from rollout.run_context import Progress, RunContext
@@ -82,6 +84,16 @@ class Prepare:
         result.timings["prepare_s"] = time.monotonic() - t0
 
 
+def router_token(cfg) -> str | None:
+    """The bearer token the run's router requires: from cfg.router.auth_token_env when set; else,
+    beyond loopback, one made for this run (handed to its Locust and eval clients, never written
+    anywhere); else none (loopback: only this machine reaches it)."""
+    token = cfg.router.auth_token()
+    if token is None and not is_loopback(cfg.ray.bind_host):
+        token = secrets.token_urlsafe(32)
+    return token
+
+
 class StartFleet:
     """Ray, the replicas (in parallel) and the router; a resumed run adopts what is still there."""
 
@@ -143,10 +155,14 @@ class StartFleet:
         here = NodeAffinitySchedulingStrategy(node_id=ray.get_runtime_context().get_node_id(), soft=False)
         actor = Router.options(
             scheduling_strategy=here, name=ROUTER_NAME, namespace=ctx.namespace, lifetime="detached"
-        ).remote(initial_weights={BASELINE: 100.0, CANARY: 0.0}, seed=0)
+        ).remote(initial_weights={BASELINE: 100.0, CANARY: 0.0}, seed=0, limits=cfg.router)
         actor.renew_lease.remote(cfg.lease_s)
-        url = ray.get(actor.start.remote(host=cfg.ray.bind_host))
-        ctx.router = RouterClient(actor, url)
+        token = router_token(cfg)
+        url = ray.get(actor.start.remote(host=cfg.ray.bind_host, token=token))
+        ctx.router = RouterClient(actor, url, token)
+        if token:
+            given = cfg.router.auth_token() is not None
+            ctx.say(f"router: bearer token required ({'from $' + cfg.router.auth_token_env if given else 'one for this run'})")
         ctx.router.set_arms(urls)
         ctx.canary_weight = 0.0
         ctx.store.update_run(ctx.run_id, canary_weight=0.0)
@@ -160,10 +176,13 @@ class StartFleet:
             state = ray.get(actor.get_state.remote(), timeout=10)
         except ray.exceptions.RayError:
             return False
-        if not state["url"]:
+        token = ctx.cfg.router.auth_token()
+        if not state["url"] or (state.get("auth_required") and token is None):
+            # a router whose token died with the earlier controller (one made for that run):
+            # nothing could reach it; a new one takes over
             kill_quietly(actor)
             return False
-        ctx.router = RouterClient(actor, state["url"])
+        ctx.router = RouterClient(actor, state["url"], token if state.get("auth_required") else None)
         ctx.router.set_arms(urls)
         ctx.canary_weight = float(state["weights"].get(CANARY, 0.0))
         ctx.say(f"router: reattached at {ctx.router.url} (canary weight {ctx.canary_weight:g}%)")

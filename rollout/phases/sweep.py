@@ -45,7 +45,8 @@ class Sweep:
             step_s=sweep.step_s,
             level_users=2 * replicas,  # each user alternates arms: level streams per replica
         )
-        spec = ctx.traffic.swarm_spec(ctx.router.url, traffic, max(sweep.levels) * 2 * replicas, None, out)
+        spec = ctx.traffic.swarm_spec(ctx.router.url, traffic, max(sweep.levels) * 2 * replicas, None, out,
+                                      env=ctx.router.client_env())
         last = [0.0]
 
         def on_progress(p: SwarmProgress) -> None:
