@@ -226,11 +226,13 @@ def test_client_timing_matches_the_known_schedule(scheduled_target, endpoint):
     assert all(r.ttft_s >= TTFT_S - 0.0005 for r in records), [r.ttft_s for r in records]
     assert all(r.e2e_s >= TTFT_S + 32 * TPOT_S - 0.0005 for r in records), [r.e2e_s for r in records]
     # the client's stamps are the target's sends, on the wall clock both share: the first chunk
-    # when it left (the next one was due tokens_per_chunk * TPOT_S later), and the stream's
-    # length from first to last chunk
+    # when it arrived, not before it left and not at the stream's end (half the 32-token stream
+    # away: a client stamping the response instead of the chunk is that far off), and the
+    # stream's length from first to last chunk. How close to the send it stamps (a few ms on a
+    # quiet machine; more where the client waits for a CPU) is benchmarks/loadgen.py's figure.
     first_chunk_error_s = statistics.median(r.sent_at + r.ttft_s - sent_by_target[r.request_id].first_sent_at
                                             for r in records)
-    assert abs(first_chunk_error_s) < tokens_per_chunk * TPOT_S, first_chunk_error_s
+    assert -0.002 < first_chunk_error_s < 16 * TPOT_S, first_chunk_error_s
     span_ratio = statistics.median((r.e2e_s - r.ttft_s) / (sent_by_target[r.request_id].last_s
                                                          - sent_by_target[r.request_id].first_s) for r in records)
     assert span_ratio == pytest.approx(1.0, abs=0.1)
