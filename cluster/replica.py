@@ -176,12 +176,18 @@ class VLLMReplicaServer:
         host = ray.util.get_node_ip_address() if self.host in ("0.0.0.0", "::") else self.host
         return f"http://{host}:{self._port}"
 
-    def _healthy(self) -> bool:
+    def _health(self, timeout_s: float) -> bool | None:
+        """/health answered 200 (True), refused or not 200 (False), or not within timeout_s (None)."""
+        local = "127.0.0.1" if self.host in ("0.0.0.0", "::") else self.host
         try:
-            local = "127.0.0.1" if self.host in ("0.0.0.0", "::") else self.host
-            return requests.get(f"http://{local}:{self._port}/health", timeout=2).status_code == 200
+            return requests.get(f"http://{local}:{self._port}/health", timeout=timeout_s).status_code == 200
+        except requests.Timeout:
+            return None
         except requests.RequestException:
             return False  # connection refused until the model is loaded
+
+    def _healthy(self) -> bool:
+        return self._health(2.0) is True
 
     def status(self) -> ReplicaStatus:
         """Poll: has the server exited, answered /health, or run out of time?"""
@@ -254,13 +260,7 @@ class VLLMReplicaServer:
         no evidence of a death (a stalled server shows in its requests' errors instead)."""
         if self._proc is None or self._proc.poll() is not None:
             return False
-        local = "127.0.0.1" if self.host in ("0.0.0.0", "::") else self.host
-        try:
-            return requests.get(f"http://{local}:{self._port}/health", timeout=timeout_s).status_code == 200
-        except requests.Timeout:
-            return None
-        except requests.RequestException:
-            return False
+        return self._health(timeout_s)
 
     def engine_warnings(self) -> list[str]:
         """Distinct WARNING messages of the server log, notable ones first."""

@@ -94,6 +94,7 @@ class Controller:
             cache_dir=cache_dir, point=point, namespace=run_namespace(run_id),
         )
         self.ctx.leases = LeaseKeeper(config.lease_s, self.ctx.leased_actors, heartbeat=self._heartbeat)
+        self._secrets: set[str] | None = None  # the config's secret strings, found once when an error needs them
 
     @property
     def run_id(self) -> str:
@@ -126,8 +127,7 @@ class Controller:
         except Exception as exc:
             # Fail closed: whatever else broke (a Ray actor that died, a bug) is an error of the
             # run, never a verdict, even after a committed PROMOTE (its later phases did not run).
-            trace = "".join(traceback.format_exception(exc)).rstrip()
-            ctx.say("unexpected error:\n" + scrub(trace, known_secrets(ctx.cfg.model_dump(mode="json"))))
+            ctx.say("unexpected error:\n" + self._scrub("".join(traceback.format_exception(exc)).rstrip()))
             self._fail(f"unexpected {type(exc).__name__}: {exc}")
         finally:
             ctx.leases.stop()
@@ -138,8 +138,7 @@ class Controller:
     def _fail(self, error: str) -> None:
         """End the run as an infrastructure error: no verdict, so the stable config serves."""
         ctx = self.ctx
-        # an error's text may quote a replica's command line or a URL: never a secret in the log or the store
-        error = scrub(error, known_secrets(ctx.cfg.model_dump(mode="json")))
+        error = self._scrub(error)
         ctx.result.error = error
         ctx.say(f"infrastructure error: {error}")
         ctx.event("error", "infrastructure_error", error.splitlines()[0] if error else "")
@@ -148,6 +147,12 @@ class Controller:
                 ctx.set_canary_weight(0.0, "error", "infrastructure error")
             except Exception as exc:  # the router itself may be what broke
                 ctx.say(f"infrastructure error: could not send the traffic back to baseline: {type(exc).__name__}: {exc}")
+
+    def _scrub(self, text: str) -> str:
+        """An error's text may quote a replica's command line or a URL: never a secret in the log or the store."""
+        if self._secrets is None:
+            self._secrets = known_secrets(self.ctx.cfg.model_dump(mode="json"))
+        return scrub(text, self._secrets)
 
     def _heartbeat(self) -> None:
         # the keeper's thread: a connection of its own (sqlite3 objects stay in their thread)

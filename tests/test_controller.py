@@ -33,7 +33,10 @@ class Promotes:
     def run(self, ctx) -> None:
         ctx.result.decision = Decision.PROMOTE
         ctx.result.reason = "every gate passed"
-        ctx.result.arms = {"baseline": {"replicas": 1, "engine": {"model": "m"}}, "canary": {"replicas": 1, "engine": {"model": "m", "k": 3}}}
+        ctx.result.arms = self.arms(ctx)
+
+    def arms(self, ctx) -> dict:
+        return {"baseline": {"replicas": 1, "engine": {"model": "m"}}, "canary": {"replicas": 1, "engine": {"model": "m", "k": 3}}}
 
 
 class Raises:

@@ -20,6 +20,7 @@ from rollout.redact import REDACTED, known_secrets, redact_config, redact_docume
 from rollout.report import markdown_report
 from rollout.result import RunResult, decision_document
 from tests.conftest import REPO
+from tests.test_controller import Promotes
 
 HF_TOKEN = "hf_secret123"
 API_KEY = "sk-secret456"
@@ -158,19 +159,12 @@ def secret_controller(tmp_path, monkeypatch, *phases):
                                         progress=lambda m: None)
 
 
-class PromotesWithSecrets:
-    name = "decide"
+class PromotesWithSecrets(Promotes):
+    """The stand-in PROMOTE, its arms recorded as Prepare records them (redacted)."""
 
-    def enabled(self, ctx) -> bool:
-        return True
-
-    def run(self, ctx) -> None:
-        from rollout.judge.verdicts import Decision
-
-        ctx.result.decision = Decision.PROMOTE
-        ctx.result.reason = "every gate passed"
-        ctx.result.arms = {arm: {"replicas": 1, "engine": redact_engine(ctx.cfg.canary.engine.model_dump(mode="json"))}
-                           for arm in (BASELINE, CANARY)}
+    def arms(self, ctx) -> dict:
+        return {arm: {"replicas": 1, "engine": redact_engine(ctx.cfg.canary.engine.model_dump(mode="json"))}
+                for arm in (BASELINE, CANARY)}
 
 
 class FailsQuotingTheCommandLine:
