@@ -22,6 +22,7 @@ if TYPE_CHECKING:
 
 EXIT_USAGE = 2
 ROUTER_HELP = "serve the router alone (no Ray) in front of servers that already run"
+CALIBRATE_HELP = "simulate A/A and A/B trials through the gates; print error rates and power"
 
 MAKE_MODEL_EPILOG = """\
 Measured with the default size (24 layers, hidden 1024) on vLLM 0.32 CPU, 2 cores,
@@ -203,14 +204,6 @@ def _cmd_make_model(args: argparse.Namespace) -> int:
     return 0
 
 
-def _cmd_calibrate(args: argparse.Namespace) -> int:
-    from rollout.judge.calibrate import format_table, run_calibration
-
-    result = run_calibration(trials=args.trials, seed=args.seed)
-    print(json.dumps(result, indent=2, default=float) if args.json else format_table(result))
-    return 0
-
-
 def _open_store(runs_dir: str, command: str):
     """The runs directory's history, or None (with one line on stderr) when there is none."""
     from rollout.store import RunStore
@@ -385,11 +378,8 @@ def build_parser() -> argparse.ArgumentParser:
     )
     make.set_defaults(func=_cmd_make_model)
 
-    cal = sub.add_parser("calibrate", help="simulate A/A and A/B trials through the gates; print error rates and power")
-    cal.add_argument("--trials", type=int, default=2000)
-    cal.add_argument("--seed", type=int, default=0)
-    cal.add_argument("--json", action="store_true")
-    cal.set_defaults(func=_cmd_calibrate)
+    # parsed by their own modules (see main): listed here for --help
+    sub.add_parser("calibrate", help=CALIBRATE_HELP, add_help=False)
 
     hist = sub.add_parser("history", help="one line per run: id, model, arms, decision, when, why")
     hist.add_argument("--runs-dir", default="runs")
@@ -419,6 +409,10 @@ def main(argv: list[str] | None = None) -> int:
         from rollout import router_command
 
         return router_command.main(argv[1:])
+    if argv[:1] == ["calibrate"]:
+        from rollout.judge import calibrate
+
+        return calibrate.main(argv[1:])
     parser = build_parser()
     args = parser.parse_args(argv)
     return args.func(args)

@@ -744,7 +744,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
     args = parser.parse_args(argv)
     result = run_calibration(trials=args.trials, seed=args.seed)
-    sys.stdout.write(json.dumps(result, indent=2) + "\n" if args.json else format_table(result) + "\n")
+    sys.stdout.write(json.dumps(result, indent=2, default=float) + "\n" if args.json else format_table(result) + "\n")
     return 0
 
 
