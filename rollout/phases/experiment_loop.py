@@ -23,13 +23,10 @@ statistics.
 
 from __future__ import annotations
 
-import math
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from typing import Any
-
-import numpy as np
 
 from cluster.arms import BASELINE, CANARY
 from cluster.continuous_load import ContinuousLoad
@@ -39,10 +36,17 @@ from loadtests.health import format_or_na, percentile_ms
 from loadtests.records import RequestRecord
 from loadtests.swarm import SwarmError, SwarmResult, SwarmSpec
 from rollout.config import TWIN, ExperimentConfig
-from rollout.judge.acceptance import judge_acceptance
 from rollout.judge.config import GatesConfig
-from rollout.judge.latency import LatencySamples, judge_latency
-from rollout.judge.verdicts import GateResult, Verdict, is_final
+from rollout.judge.experiment_looks import (
+    LookPlan,
+    completed,
+    judge_look,
+    latency_samples,
+    next_information,
+    requests_by_arm,
+    stop_after,
+)
+from rollout.judge.verdicts import GateResult
 from rollout.phases.replica_watch import ReplicaWatch
 from rollout.store import RunStore
 
@@ -54,59 +58,7 @@ LOAD_MARGIN_S = 300.0  # the swarm's own run time beyond max_duration_s: the pha
 FIRST_RECORD_TIMEOUT_S = 300.0  # a load that delivers no record at all in this long is broken
 
 
-# -- the plan (pure) --------------------------------------------------------------
-@dataclass(frozen=True)
-class LookPlan:
-    """When to look and how much information a look carries."""
-
-    requests_per_look: int
-    requests_per_arm: int
-    min_interval_s: float
-    min_looks: int
-    max_duration_s: float
-
-    @classmethod
-    def of(cls, exp: ExperimentConfig) -> "LookPlan":
-        return cls(exp.requests_per_look, exp.requests_per_arm, float(exp.window_s), exp.min_looks, exp.max_duration_s)
-
-    @property
-    def planned_looks(self) -> int:
-        return math.ceil(self.requests_per_arm / self.requests_per_look)
-
-    def information(self, totals: dict[str, int]) -> float:
-        """Information fraction: the least-served arm's completed requests over the plan (capped at 1)."""
-        return min(1.0, min(totals.values()) / self.requests_per_arm) if totals else 0.0
-
-    def look_due(self, new: dict[str, int], totals: dict[str, int], since_last_s: float) -> bool:
-        """Every arm has requests_per_look more (or has reached the plan), and window_s has passed."""
-        if not new or since_last_s < self.min_interval_s or min(new.values()) < 1:
-            return False
-        return all(n >= self.requests_per_look for n in new.values()) or self.information(totals) >= 1.0
-
-
-def completed(records: Sequence[RequestRecord], arm: str) -> int:
-    """Requests of `arm` that ended (ok or failed); cut-off (cancelled) requests are not evidence."""
-    return sum(1 for r in records if record_arm(r) == arm and not r.cancelled)
-
-
-def record_arm(record: RequestRecord) -> str | None:
-    return record.arm if record.arm is not None else record.pinned_arm
-
-
-def latency_samples(records: Sequence[RequestRecord], looks_of: Sequence[int], arm: str) -> LatencySamples:
-    """Per-request samples of one arm with the look each arrived in; cancelled requests are not samples."""
-    mine = [(r, w) for r, w in zip(records, looks_of) if record_arm(r) == arm and not r.cancelled]
-    ok = [(r, w) for r, w in mine if r.ok and r.ttft_s is not None and r.tpot_s is not None]
-    return LatencySamples(
-        ttft_s=np.array([r.ttft_s for r, _ in ok], dtype=float),
-        tpot_s=np.array([r.tpot_s for r, _ in ok], dtype=float),
-        e2e_s=np.array([r.e2e_s for r, _ in ok], dtype=float),
-        n_errors=sum(1 for r, _ in mine if not r.ok),
-        n_total=len(mine),
-        window=np.array([w for _, w in ok], dtype=int),
-    )
-
-
+# -- the look logic lives in rollout.judge.experiment_looks (pure, shared with `mtp-canary judge`) --
 def duty_cycle(records: Sequence[RequestRecord], start: float, end: float) -> float | None:
     """Share of [start, end] (wall clock) during which at least one request was in flight.
 
@@ -247,8 +199,7 @@ class ExperimentPhase:
         """Judge everything so far; True when the phase may stop."""
         ctx, plan = self.ctx, self.plan
         look = len(self.fractions) + 1
-        fraction = information if not self.fractions else max(information, self.fractions[-1] + 1e-3)
-        self.fractions.append(min(1.0, fraction))
+        self.fractions.append(next_information(self.fractions, information))
         look_records, self.pending = self.pending, []
         stored = ctx.store.add_request_samples(ctx.run_id, PHASE, look, look_records)
         if stored != len(look_records):
@@ -257,42 +208,33 @@ class ExperimentPhase:
         self.looks_of += [look] * len(look_records)
         self._last_look_wall = time.time()
         self._scrape_acceptance()
-        baseline = latency_samples(self.records, self.looks_of, BASELINE)
-        canary = latency_samples(self.records, self.looks_of, CANARY)
-        latency = judge_latency(
-            baseline, canary, ctx.gates, look=look, max_looks=plan.planned_looks, information=self.fractions
+        canary_spec = None if CANARY in self.unscraped else self.spec_delta.get(CANARY, SpecDecodeStats())
+        self.gates = judge_look(
+            self.records, self.looks_of, self.fractions, ctx.gates, plan, canary_spec, ctx.speculative_canary
         )
-        canary_sd = self.spec_delta.get(CANARY, SpecDecodeStats())
-        acceptance = judge_acceptance(
-            None if CANARY in self.unscraped else canary_sd.mean_acceptance_length, int(canary_sd.drafts), ctx.gates
-        )
-        if CANARY not in self.unscraped and ctx.speculative_canary and canary_sd.drafts <= 0:
-            acceptance = acceptance.model_copy(
-                update={"verdict": Verdict.FAIL, "detail": "the speculative canary made no drafts under load"}
-            )
-        self.gates = latency + [acceptance]
         ctx.store.put_phase_result(ctx.run_id, PHASE, look, [g.model_dump(mode="json") for g in self.gates])
         summary = {
             "look": look,
             "at": self._last_look_wall,
             "information": round(self.fractions[-1], 4),
-            "requests": {arm: completed(look_records, arm) for arm in self.arms},
+            "requests": requests_by_arm(look_records),
             "verdicts": {g.name: g.verdict.value for g in self.gates},
         }
         self.look_summaries.append(summary)
+        baseline = latency_samples(self.records, self.looks_of, BASELINE)
+        canary = latency_samples(self.records, self.looks_of, CANARY)
+        acceptance_length = self.spec_delta.get(CANARY, SpecDecodeStats()).mean_acceptance_length
         self.say(
             f"look {look}/{plan.planned_looks} (information {self.fractions[-1]:.2f}) | requests baseline "
             f"{baseline.n_total} canary {canary.n_total} | TPOT p50 ms baseline {percentile_ms(baseline.tpot_s, 50)} canary "
-            f"{percentile_ms(canary.tpot_s, 50)} | acceptance length {format_or_na(canary_sd.mean_acceptance_length)} | "
+            f"{percentile_ms(canary.tpot_s, 50)} | acceptance length {format_or_na(acceptance_length)} | "
             + ", ".join(f"{g.name}: {g.verdict.value}" for g in self.gates)
         )
         ctx.event("look", f"look {look}: " + ", ".join(f"{k}={v}" for k, v in summary["verdicts"].items()))
-        if self.fractions[-1] >= 1.0:
-            return True
-        if look >= plan.min_looks and is_final(self.gates, ctx.gates):
+        stop = stop_after(look, self.fractions, plan, self.gates, ctx.gates)
+        if stop == "evidence":
             self.say(f"verdict reached at look {look} of {plan.planned_looks}, stopping early")
-            return True
-        return False
+        return stop is not None
 
     def _scrape_acceptance(self) -> None:
         """Spec-decode counters since the phase began, per arm; a replica not scraped (or restarted)

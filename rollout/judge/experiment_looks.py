@@ -1,0 +1,281 @@
+"""The experiment's looks as pure functions: when a look is due, what it carries, how it is judged, when to stop.
+
+One copy of the look logic for everyone who needs it:
+
+* the controller (``rollout.phases.experiment_loop``) calls `LookPlan.look_due`,
+  `next_information`, `judge_look` and `stop_after` on the records it tails live;
+* ``mtp-canary judge`` (``rollout.rejudge``) replays a finished run's records through
+  `replay_looks`, which applies the same rules in the order the records arrived;
+* the calibration may simulate looks with the same functions.
+
+The rules (the controller's, unchanged):
+
+* a look happens when every arm has ``requests_per_look`` more completed
+  (not cancelled) requests, or the least-served arm has reached the plan, and at
+  least ``min_interval_s`` has passed since the previous look;
+* its information fraction is min over arms of completed requests / ``requests_per_arm``
+  (capped at 1), forced strictly increasing so the spending function sees new
+  information at every look;
+* each look judges everything so far: the latency gates (``judge_latency`` with
+  every sample's look), the acceptance-length floor on the canary's spec-decode
+  counters since the phase began, and the sample-ratio check;
+* the phase stops at information 1, or from ``min_looks`` on once every enabled
+  gate is decided (``verdicts.is_final``).
+
+No clock here: the controller passes the seconds since its last look; a replay uses
+the records' own completion times (sent_at + e2e_s) as its clock.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import numpy as np
+
+from cluster.arms import BASELINE, CANARY
+from cluster.metrics import SpecDecodeStats
+from loadtests.records import RequestRecord
+from rollout.judge.acceptance import judge_acceptance
+from rollout.judge.config import GatesConfig
+from rollout.judge.latency import LatencySamples, judge_latency
+from rollout.judge.verdicts import GateResult, Verdict, is_final
+
+__all__ = [
+    "ARMS",
+    "LookPlan",
+    "Look",
+    "Replay",
+    "record_arm",
+    "completed",
+    "requests_by_arm",
+    "latency_samples",
+    "next_information",
+    "judge_look",
+    "stop_after",
+    "replay_looks",
+]
+
+ARMS = (BASELINE, CANARY)
+INFORMATION_STEP = 1e-3  # a look with no new information still advances the fraction this much
+
+
+class PlannedExperiment(Protocol):
+    """What a `LookPlan` reads from the run's ``experiment:`` config (rollout.config.ExperimentConfig)."""
+
+    requests_per_look: int
+    requests_per_arm: int
+    window_s: float
+    min_looks: int
+    max_duration_s: float
+
+
+# -- the plan ------------------------------------------------------------------------
+@dataclass(frozen=True)
+class LookPlan:
+    """When to look and how much information a look carries."""
+
+    requests_per_look: int
+    requests_per_arm: int
+    min_interval_s: float
+    min_looks: int
+    max_duration_s: float
+
+    @classmethod
+    def of(cls, exp: PlannedExperiment) -> "LookPlan":
+        return cls(exp.requests_per_look, exp.requests_per_arm, float(exp.window_s), exp.min_looks, exp.max_duration_s)
+
+    @property
+    def planned_looks(self) -> int:
+        return math.ceil(self.requests_per_arm / self.requests_per_look)
+
+    def information(self, totals: dict[str, int]) -> float:
+        """Information fraction: the least-served arm's completed requests over the plan (capped at 1)."""
+        return min(1.0, min(totals.values()) / self.requests_per_arm) if totals else 0.0
+
+    def look_due(self, new: dict[str, int], totals: dict[str, int], since_last_s: float) -> bool:
+        """Every arm has requests_per_look more (or has reached the plan), and window_s has passed."""
+        if not new or since_last_s < self.min_interval_s or min(new.values()) < 1:
+            return False
+        return all(n >= self.requests_per_look for n in new.values()) or self.information(totals) >= 1.0
+
+
+# -- the records ----------------------------------------------------------------------
+def record_arm(record: RequestRecord) -> str | None:
+    """The arm that served the request (the one it was pinned to when the response did not say)."""
+    return record.arm if record.arm is not None else record.pinned_arm
+
+
+def completed(records: Sequence[RequestRecord], arm: str) -> int:
+    """Requests of `arm` that ended (ok or failed); cut-off (cancelled) requests are not evidence."""
+    return sum(1 for r in records if record_arm(r) == arm and not r.cancelled)
+
+
+def requests_by_arm(records: Sequence[RequestRecord]) -> dict[str, int]:
+    return {arm: completed(records, arm) for arm in ARMS}
+
+
+def latency_samples(records: Sequence[RequestRecord], looks_of: Sequence[int], arm: str) -> LatencySamples:
+    """Per-request samples of one arm with the look each arrived in; cancelled requests are not samples."""
+    mine = [(r, w) for r, w in zip(records, looks_of) if record_arm(r) == arm and not r.cancelled]
+    ok = [(r, w) for r, w in mine if r.ok and r.ttft_s is not None and r.tpot_s is not None]
+    return LatencySamples(
+        ttft_s=np.array([r.ttft_s for r, _ in ok], dtype=float),
+        tpot_s=np.array([r.tpot_s for r, _ in ok], dtype=float),
+        e2e_s=np.array([r.e2e_s for r, _ in ok], dtype=float),
+        n_errors=sum(1 for r, _ in mine if not r.ok),
+        n_total=len(mine),
+        window=np.array([w for _, w in ok], dtype=int),
+    )
+
+
+# -- one look -------------------------------------------------------------------------
+def next_information(fractions: Sequence[float], information: float) -> float:
+    """The next look's information fraction: the observed one, strictly above the previous look's, at most 1."""
+    fraction = information if not fractions else max(information, fractions[-1] + INFORMATION_STEP)
+    return min(1.0, fraction)
+
+
+def judge_look(
+    records: Sequence[RequestRecord],
+    looks_of: Sequence[int],
+    fractions: Sequence[float],
+    cfg: GatesConfig,
+    plan: LookPlan,
+    canary_spec: SpecDecodeStats | None,
+    speculative_canary: bool,
+) -> list[GateResult]:
+    """Every experiment gate at look ``len(fractions)`` on all records so far.
+
+    ``looks_of[i]`` is the look record ``i`` arrived in; ``fractions`` the information
+    fraction of every look so far, this one last. ``canary_spec`` is the canary's
+    spec-decode counters since the phase began (None: not scraped, so unknown).
+    """
+    look = len(fractions)
+    baseline = latency_samples(records, looks_of, BASELINE)
+    canary = latency_samples(records, looks_of, CANARY)
+    latency = judge_latency(baseline, canary, cfg, look=look, max_looks=plan.planned_looks, information=list(fractions))
+    sd = canary_spec if canary_spec is not None else SpecDecodeStats()
+    acceptance = judge_acceptance(
+        None if canary_spec is None else sd.mean_acceptance_length, int(sd.drafts), cfg
+    )
+    if canary_spec is not None and speculative_canary and sd.drafts <= 0:
+        acceptance = acceptance.model_copy(
+            update={"verdict": Verdict.FAIL, "detail": "the speculative canary made no drafts under load"}
+        )
+    return [*latency, acceptance.model_copy(update={"look": look})]
+
+
+def stop_after(look: int, fractions: Sequence[float], plan: LookPlan, gates: Sequence[GateResult], cfg: GatesConfig) -> str | None:
+    """Why the phase stops after this look ('information' or 'evidence'), or None to go on."""
+    if fractions and fractions[-1] >= 1.0:
+        return "information"
+    if look >= plan.min_looks and is_final(gates, cfg):
+        return "evidence"
+    return None
+
+
+# -- a replay of a finished stream ------------------------------------------------------
+@dataclass(frozen=True)
+class Look:
+    """One look of a replay: its number, fraction, new requests per arm and the gates judged at it."""
+
+    look: int
+    information: float
+    requests: dict[str, int]
+    gates: list[GateResult]
+
+
+@dataclass
+class Replay:
+    """The looks a stream of records gives under a plan, and what stopped it."""
+
+    looks: list[Look] = field(default_factory=list)
+    stopped_by: str = "end of records"
+    judged_records: int = 0
+    unjudged_records: int = 0
+
+    @property
+    def gates(self) -> list[GateResult]:
+        return self.looks[-1].gates if self.looks else []
+
+
+def _boundaries_by_rule(records: Sequence[RequestRecord], plan: LookPlan) -> list[int]:
+    """End index (exclusive) of every look the controller's boundary rule would make, records in arrival order.
+
+    The clock is the records' completion times; the phase starts at the first send.
+    The live controller looks at its 0.25 s ticks, so its looks hold a few more records.
+    """
+    if not records:
+        return []
+    start = min(r.sent_at for r in records)
+    last_look_at, clock, ends = start, start, []
+    new = {arm: 0 for arm in ARMS}
+    totals = dict(new)
+    for i, r in enumerate(records):
+        clock = max(clock, r.sent_at + r.e2e_s)
+        arm = record_arm(r)
+        if arm in new and not r.cancelled:
+            new[arm] += 1
+            totals[arm] += 1
+        capped = clock - start >= plan.max_duration_s
+        if plan.look_due(new, totals, clock - last_look_at) or (capped and any(new.values())):
+            ends.append(i + 1)
+            last_look_at, new = clock, {arm: 0 for arm in ARMS}
+        if capped:
+            break
+    return ends
+
+
+def _boundaries_by_counts(records: Sequence[RequestRecord], counts: Sequence[dict[str, int]]) -> list[int]:
+    """End index of every stored look: the first record at which each arm has that look's completed count."""
+    ends, i = [], 0
+    for wanted in counts:
+        got = {arm: 0 for arm in ARMS}
+        while i < len(records) and any(got[arm] < wanted.get(arm, 0) for arm in ARMS):
+            arm = record_arm(records[i])
+            if arm in got and not records[i].cancelled:
+                got[arm] += 1
+            i += 1
+        if any(got[arm] < wanted.get(arm, 0) for arm in ARMS):
+            raise ValueError(f"look {len(ends) + 1} needs {wanted} completed requests; the records hold only {got} more")
+        ends.append(i)
+    return ends
+
+
+def replay_looks(
+    records: Sequence[RequestRecord],
+    plan: LookPlan,
+    cfg: GatesConfig,
+    canary_spec: SpecDecodeStats | None,
+    speculative_canary: bool,
+    stored_counts: Sequence[dict[str, int]] | None = None,
+) -> Replay:
+    """Judge ``records`` (in the order the controller read them) look by look, as the controller did.
+
+    With ``stored_counts`` (the run's per-look completed requests, from decision.json)
+    the looks fall exactly where the run's did; without, where the boundary rule puts
+    them on the records' own clock. The spec-decode counters are the phase's final
+    ones at every look (per-look counters are not stored). Records after the last
+    look are not judged, as in the run.
+    """
+    ends = _boundaries_by_counts(records, stored_counts) if stored_counts is not None else _boundaries_by_rule(records, plan)
+    replay = Replay()
+    looks_of: list[int] = []
+    fractions: list[float] = []
+    start = 0
+    for look, end in enumerate(ends, start=1):
+        look_records = records[start:end]
+        looks_of += [look] * len(look_records)
+        fractions.append(next_information(fractions, plan.information(requests_by_arm(records[:end]))))
+        gates = judge_look(records[:end], looks_of, fractions, cfg, plan, canary_spec, speculative_canary)
+        replay.looks.append(Look(look, round(fractions[-1], 4), requests_by_arm(look_records), gates))
+        start = end
+        reason = stop_after(look, fractions, plan, gates, cfg)
+        if reason is not None:
+            replay.stopped_by = reason
+            break
+    replay.judged_records, replay.unjudged_records = start, len(records) - start
+    return replay
