@@ -27,7 +27,8 @@ x-mtp-canary-arm get it echoed back, like the router's arm pinning; otherwise th
 
 Faults, for the router's tests and benchmarks: --fail-status 500 answers every /v1
 request with that status (an OpenAI error body); --hang accepts every /v1 request and
-never answers.
+never answers. --api-key KEY answers 401 to a /v1 request without `Authorization: Bearer KEY`,
+as vLLM started with --api-key does.
 """
 
 from __future__ import annotations
@@ -117,8 +118,10 @@ class StreamTarget:
     def __init__(
         self, schedule: TokenSchedule, arm: str | None = None, replica: str | None = None,
         tpot_jitter: float = 0.0, seed: int = 0, fail_status: int | None = None, hang: bool = False,
+        api_key: str | None = None,
     ) -> None:
         self.schedule = schedule
+        self.api_key = api_key
         self.fail_status = fail_status
         self.hang = hang
         # log-sd of a per-request TPOT multiplier (0: every request exactly on the schedule):
@@ -165,6 +168,8 @@ class StreamTarget:
         return await self._answer(request, chat=True)
 
     async def _answer(self, request: web.Request, chat: bool) -> web.StreamResponse:
+        if self.api_key is not None and request.headers.get("Authorization") != f"Bearer {self.api_key}":
+            return web.json_response({"error": "Unauthorized"}, status=401)  # vLLM's answer
         if self.hang:
             await asyncio.Event().wait()  # until the client (or the router's timeout) gives up
         if self.fail_status is not None:
@@ -296,6 +301,7 @@ class TargetProcess:
         seed: int = 0,
         fail_status: int | None = None,
         hang: bool = False,
+        api_key: str | None = None,
     ) -> None:
         self._command = [python, str(Path(__file__).resolve()), "--port", "0", "--ttft-ms", str(ttft_ms),
                          "--tpot-ms", str(tpot_ms), "--tokens-per-chunk", str(tokens_per_chunk)]
@@ -309,6 +315,8 @@ class TargetProcess:
             self._command += ["--fail-status", str(fail_status)]
         if hang:
             self._command += ["--hang"]
+        if api_key:
+            self._command += ["--api-key", api_key]
         self._start_timeout_s = start_timeout_s
         self._process: subprocess.Popen[str] | None = None
         self.url = ""
@@ -362,6 +370,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--seed", type=int, default=0, help="seed of the jitter")
     parser.add_argument("--fail-status", type=int, default=None, help="answer every /v1 request with this status")
     parser.add_argument("--hang", action="store_true", help="accept every /v1 request and never answer")
+    parser.add_argument("--api-key", default=None, help="401 to a /v1 request without Authorization: Bearer KEY")
     return parser.parse_args(argv)
 
 
@@ -371,6 +380,7 @@ async def serve(args: argparse.Namespace) -> None:
     target = StreamTarget(
         TokenSchedule(args.ttft_ms / 1000.0, args.tpot_ms / 1000.0, args.tokens_per_chunk), args.arm, args.replica,
         tpot_jitter=args.tpot_jitter, seed=args.seed, fail_status=args.fail_status, hang=args.hang,
+        api_key=args.api_key,
     )
     runner = web.AppRunner(target.app(), access_log=None)
     await runner.setup()

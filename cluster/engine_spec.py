@@ -111,6 +111,45 @@ def printable_args(args: list[str]) -> list[str]:
 
 
 
+# The server's own key on /v1 (vLLM: --api-key KEY [KEY ...], else $VLLM_API_KEY). Clients of a
+# replica (the router, the preflight) send the first one; it lives in memory only.
+API_KEY_FLAG = "--api-key"
+API_KEY_ENV = "VLLM_API_KEY"
+
+
+def _is_api_key_flag(arg: str) -> bool:
+    name = vllm_flag_name(arg)
+    return arg.startswith("--") and len(name) >= len("--api-k") and API_KEY_FLAG.startswith(name)
+
+
+def split_api_key(extra_args: list[str]) -> tuple[list[str], list[str]]:
+    """(extra_args without --api-key and its values, those values), as vLLM would read them:
+    any unambiguous prefix down to --api-k, '_' for '-', `--api-key=KEY` or `--api-key KEY...`."""
+    rest: list[str] = []
+    keys: list[str] = []
+    taking = False  # among the values after --api-key
+    for arg in extra_args:
+        if taking and not arg.startswith("-"):
+            keys.append(arg)
+            continue
+        taking = False
+        if _is_api_key_flag(arg):
+            if "=" in arg:
+                keys.append(arg.split("=", 1)[1])
+            else:
+                taking = True
+            continue
+        rest.append(arg)
+    return rest, keys
+
+
+def api_key_of(extra_args: list[str], env: dict[str, str]) -> str | None:
+    """The key a server started with these args and env requires on /v1, or None
+    (--api-key wins over $VLLM_API_KEY, as in vLLM)."""
+    _, keys = split_api_key(extra_args)
+    return (keys[0] if keys else env.get(API_KEY_ENV)) or None
+
+
 # Environment the replica sets itself (environment()); an engine's `env` may not override it.
 RESERVED_ENV = frozenset({"CUDA_VISIBLE_DEVICES", "OMP_NUM_THREADS", "LD_PRELOAD"})
 RESERVED_ENV_PREFIXES = ("VLLM_CPU_",)
@@ -179,6 +218,15 @@ class EngineSpec(BaseModel):
                 raise ValueError(error)
         return value
 
+    @field_validator("extra_args")
+    @classmethod
+    def _one_api_key(cls, value: list[str]) -> list[str]:
+        _, keys = split_api_key(value)
+        if len(keys) > 1 or (keys and not keys[0]):
+            raise ValueError(f"{API_KEY_FLAG} takes one key here (it reaches vLLM as ${API_KEY_ENV}, which keeps it "
+                             "out of the server's log and the process list)")
+        return value
+
     @field_validator("env")
     @classmethod
     def _env_does_not_override_owned_ones(cls, value: dict[str, str]) -> dict[str, str]:
@@ -195,6 +243,11 @@ class EngineSpec(BaseModel):
         if self.device == "cpu" and self.tensor_parallel_size != 1:
             raise ValueError("tensor_parallel_size must be 1 on device 'cpu'")
         return self
+
+    @property
+    def api_key(self) -> str | None:
+        """The key this server requires on /v1 (see api_key_of); never logged or written."""
+        return api_key_of(self.extra_args, self.env)
 
     @property
     def num_speculative_tokens(self) -> int:
@@ -235,7 +288,9 @@ class EngineSpec(BaseModel):
             cmd.append("--enforce-eager")
         if self.trust_remote_code:
             cmd.append("--trust-remote-code")
-        return cmd + list(self.extra_args)
+        # --api-key goes by the environment (environment()): vLLM prints its non-default
+        # arguments to the log, and a command line is visible to every user of the host
+        return cmd + split_api_key(self.extra_args)[0]
 
     def environment(self, gpu_ids: list[str] | None = None, iomp_path: str | None = None) -> dict[str, str]:
         """Environment additions for the server process (on top of the actor's)."""
@@ -255,4 +310,6 @@ class EngineSpec(BaseModel):
                 )
             env["CUDA_VISIBLE_DEVICES"] = ",".join(str(g) for g in gpu_ids)
         env.update(self.env)
+        if self.api_key:
+            env[API_KEY_ENV] = self.api_key
         return env

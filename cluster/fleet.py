@@ -269,6 +269,16 @@ class Fleet:
                 by_arm[r.arm].append(r.url)
         return by_arm if arm is None else by_arm[arm]
 
+    def upstream_keys(self) -> dict[str, str]:
+        """replica URL -> the key its engine requires on /v1 (--api-key), for replicas that need one.
+
+        In memory only: the router and the preflight send it; nothing writes it."""
+        keys = {a.name: a.engine.api_key for a in self.arms}
+        return {r.url: keys[r.arm] for r in self.replicas if r.url and keys.get(r.arm)}
+
+    def upstream_key(self, handle: ReplicaHandle) -> str | None:
+        return self.upstream_keys().get(handle.url) if handle.url else None
+
     def handles(self, arm: str) -> list[ReplicaHandle]:
         return [r for r in self.replicas if r.arm == arm]
 

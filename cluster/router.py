@@ -289,6 +289,7 @@ class RouterServer:
         # Replica counters of the current arms; a request in flight keeps a
         # reference to its own counter, so set_arms can drop replicas safely.
         self._replica_counters: dict[str, dict[str, RouteCounter]] = {}
+        self._upstream_keys: dict[str, str] = {}  # replica URL -> its --api-key (set_arms)
         self._arm_counters: dict[str, RouteCounter] = {arm: RouteCounter() for arm in DEFAULT_ARMS}
         self._turns: dict[str, int] = {}
         self._refused: Counter[str] = Counter()
@@ -394,11 +395,13 @@ class RouterServer:
 
     # ---- control ----------------------------------------------------------
 
-    async def set_arms(self, arms: Mapping[str, Sequence[str]]) -> None:
+    async def set_arms(self, arms: Mapping[str, Sequence[str]], upstream_keys: Mapping[str, str] | None = None) -> None:
         """Replace the replicas of every arm: arm name -> replica base URLs.
 
         Arms left out have no replicas afterwards. Counters (and ejections) of
         replicas that stay are kept. A replica URL may belong to one arm only.
+        `upstream_keys`: replica URL -> the key that replica requires (its engine's
+        --api-key), sent as its Authorization; kept in memory, never in the state.
         """
         normalized: dict[str, list[str]] = {}
         owner_of_url: dict[str, str] = {}
@@ -420,6 +423,9 @@ class RouterServer:
             for arm, urls in normalized.items()
         }
         self._arms = normalized
+        self._upstream_keys = {
+            _normalize_replica_url(url, "upstream_keys"): key for url, key in (upstream_keys or {}).items() if key
+        }
         for arm in normalized:
             self._arm_counters.setdefault(arm, RouteCounter())
             self._turns.setdefault(arm, 0)
@@ -563,7 +569,8 @@ class RouterServer:
         arm_counter.in_flight += 1
         replica_counter.in_flight += 1
         try:
-            return await self._forwarder.forward(request, body, Route(arm, replica, arm_counter, replica_counter))
+            route = Route(arm, replica, arm_counter, replica_counter, self._upstream_keys.get(replica))
+            return await self._forwarder.forward(request, body, route)
         finally:
             arm_counter.in_flight -= 1
             replica_counter.in_flight -= 1
@@ -622,8 +629,8 @@ class RouterClient:
         """Applied at once: the canary gets `weight` percent, the baseline the rest."""
         ray.get(self.actor.set_weights.remote({BASELINE: 100.0 - weight, CANARY: weight}))
 
-    def set_arms(self, urls: Mapping[str, Sequence[str]]) -> None:
-        ray.get(self.actor.set_arms.remote(dict(urls)))
+    def set_arms(self, urls: Mapping[str, Sequence[str]], upstream_keys: Mapping[str, str] | None = None) -> None:
+        ray.get(self.actor.set_arms.remote(dict(urls), dict(upstream_keys or {})))
 
     def state(self, timeout_s: float = 10) -> RouterState:
         return ray.get(self.actor.get_state.remote(), timeout=timeout_s)

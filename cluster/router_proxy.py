@@ -86,6 +86,7 @@ class Route:
     replica: str
     arm_counter: RouteCounter
     replica_counter: RouteCounter
+    upstream_key: str | None = None  # the replica's own --api-key: sent instead of the client's Authorization
 
 
 class _Watch:
@@ -184,6 +185,11 @@ class Forwarder:
         upstream_url = URL(route.replica + request.raw_path, encoded=True)
         skip = self._not_forwarded
         forwarded_headers = [(name, value) for name, value in request.headers.items() if name.lower() not in skip]
+        if route.upstream_key is not None:
+            # the replica checks a key of its own: the client's Authorization (the router's token,
+            # or none) is not it
+            forwarded_headers = [(n, v) for n, v in forwarded_headers if n.lower() != "authorization"]
+            forwarded_headers.append(("Authorization", f"Bearer {route.upstream_key}"))
         try:
             upstream = await self._session.request(
                 request.method, upstream_url, headers=forwarded_headers, data=body or None, allow_redirects=False

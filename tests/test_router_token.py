@@ -76,3 +76,69 @@ def test_the_run_makes_a_token_beyond_loopback_and_takes_the_operators_when_set(
     assert made and len(made) >= 32 and router_token(wide) != made  # one per run, unguessable
     monkeypatch.setenv(cfg.router.auth_token_env, "operator-chosen-token")
     assert router_token(wide) == "operator-chosen-token" == router_token(cfg)
+
+
+UPSTREAM_KEY = "sk-engine-key-for-tests-9876543210"
+
+
+def test_a_replica_started_with_an_api_key_gets_it_from_the_router_and_never_the_clients_token(tmp_path):
+    """Engines with --api-key: the router sends the replica's own key (the client's Authorization,
+    here the router's token, is not it); without the key the replica refuses (401, an error)."""
+    harness = Harness()
+    with TargetProcess(ttft_ms=5, tpot_ms=2, api_key=UPSTREAM_KEY) as target:
+
+        async def make(keys: dict[str, str] | None) -> str:
+            from cluster.router import RouterServer
+
+            server = RouterServer(initial_weights={"baseline": 100.0})
+            url = await server.start(token=TOKEN)
+            await server.set_arms({"baseline": [target.url]}, upstream_keys=keys)
+            state = await server.get_state()
+            assert UPSTREAM_KEY not in repr(state)  # /router/state never shows it
+            harness._routers.append(server)
+            return url
+
+        try:
+            keyed = harness.run(make({target.url: UPSTREAM_KEY}))
+            records = [r for r in swarm(keyed, tmp_path, {BEARER_TOKEN_ENV: TOKEN}) if not r.cancelled]
+            assert records and all(r.status == 200 for r in records), {r.status for r in records}
+            items = load_items(EvalSpec(kind="gsm8k", limit=2, num_fewshot=0))
+            spec = EvalSpec(max_tokens=4, concurrency=1, request_timeout_s=30)
+            got = evaluate_batch(keyed, "m", items, ["baseline"], spec, token=TOKEN)["baseline"]
+            assert not any(o.error for o in got), [o.error for o in got]
+
+            unkeyed = harness.run(make(None))  # the same replica, its key not given to the router
+            (tmp_path / "no").mkdir()
+            refused = [r for r in swarm(unkeyed, tmp_path / "no", {BEARER_TOKEN_ENV: TOKEN}) if not r.cancelled]
+            assert refused and all(r.status == 401 and not r.ok for r in refused), {r.status for r in refused}
+        finally:
+            harness.close()
+
+
+def test_the_api_key_is_read_as_vllm_reads_it():
+    from cluster.engine_spec import EngineSpec
+
+    def key(extra_args: list[str], env: dict[str, str] | None = None) -> str | None:
+        return EngineSpec(model="m", extra_args=extra_args, env=env or {}).api_key
+
+    assert key(["--api-key=a"]) == "a"
+    assert key(["--api_key", "a"]) == key(["--api-k", "a"]) == "a"  # '_' for '-', unambiguous prefixes
+    assert key(["--max-num-seqs", "4"]) is None
+    assert key([], {"VLLM_API_KEY": "e"}) == "e"
+    assert key(["--api-key", "a"], {"VLLM_API_KEY": "e"}) == "a"  # the flag wins, as in vLLM
+
+
+def test_the_api_key_reaches_vllm_by_its_environment_not_its_command_line():
+    """vLLM logs its non-default arguments, and /proc shows a command line to every user: the key
+    goes as $VLLM_API_KEY; two keys cannot (one line naming the flag)."""
+    import pydantic
+
+    from cluster.engine_spec import EngineSpec
+
+    spec = EngineSpec(model="m", extra_args=["--max-num-seqs", "4", "--api_key", UPSTREAM_KEY, "--seed", "1"])
+    cmd = spec.command(8000)
+    assert UPSTREAM_KEY not in " ".join(cmd) and not any(a.startswith("--api") for a in cmd)
+    assert cmd[-4:] == ["--max-num-seqs", "4", "--seed", "1"]
+    assert spec.environment()["VLLM_API_KEY"] == UPSTREAM_KEY
+    with pytest.raises(pydantic.ValidationError, match="--api-key takes one key"):
+        EngineSpec(model="m", extra_args=["--api-key", "a", "b"])

@@ -25,7 +25,7 @@ class Preflight:
     def run(self, ctx: RunContext) -> None:
         ctx.say("preflight: smoke request to every replica")
         fleet = ctx.fleet
-        answers = {handle.name: self._smoke(handle, ctx.served_model) for handle in fleet.replicas}
+        answers = {handle.name: self._smoke(handle, ctx.served_model, fleet.upstream_key(handle)) for handle in fleet.replicas}
         metrics = fleet.metrics()
         missing = [h.name for h in fleet.replicas if h.name not in metrics]
         if missing:
@@ -52,11 +52,12 @@ class Preflight:
         ctx.event("preflight", "pass", f"canary drafts {canary_drafts:g}")
 
     @staticmethod
-    def _smoke(handle, model: str) -> int:
+    def _smoke(handle, model: str, api_key: str | None) -> int:
         try:
             response = requests.post(
                 f"{handle.url}/v1/completions",
                 json={"model": model, "prompt": SMOKE_PROMPT, "max_tokens": 8, "temperature": 0},
+                headers={"Authorization": f"Bearer {api_key}"} if api_key else None,
                 timeout=SMOKE_TIMEOUT_S,
             )
             response.raise_for_status()

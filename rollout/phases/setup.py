@@ -163,7 +163,7 @@ class StartFleet:
         if token:
             given = cfg.router.auth_token() is not None
             ctx.say(f"router: bearer token required ({'from $' + cfg.router.auth_token_env if given else 'one for this run'})")
-        ctx.router.set_arms(urls)
+        ctx.router.set_arms(urls, ctx.fleet.upstream_keys())
         ctx.canary_weight = 0.0
         ctx.store.update_run(ctx.run_id, canary_weight=0.0)
         ctx.say(f"router: {url} (canary weight 0% until judged)")
@@ -183,7 +183,7 @@ class StartFleet:
             kill_quietly(actor)
             return False
         ctx.router = RouterClient(actor, state["url"], token if state.get("auth_required") else None)
-        ctx.router.set_arms(urls)
+        ctx.router.set_arms(urls, ctx.fleet.upstream_keys())
         ctx.canary_weight = float(state["weights"].get(CANARY, 0.0))
         ctx.say(f"router: reattached at {ctx.router.url} (canary weight {ctx.canary_weight:g}%)")
         ctx.event("router", "reattached", ctx.router.url)
