@@ -108,6 +108,23 @@ class GatesConfig(pydantic.BaseModel, extra="forbid"):
         "clear-regression rule that may fail a broken canary after a few dozen items at any look.",
     )
 
+    max_baseline_eval_error_rate: float = Field(
+        0.02,
+        ge=0.0,
+        lt=1.0,
+        description="Eval items whose baseline request failed are left out of the paired accuracy and divergence "
+        "statistics (a baseline error is no evidence about the canary); above this share of such items the accuracy "
+        "and divergence gates are inconclusive (3% baseline timeouts counted as canary wins would hide a ~3-point drop).",
+    )
+    sample_ratio_alpha: float = Field(
+        0.001,
+        gt=0.0,
+        le=0.05,
+        description="Sample-ratio mismatch check (gate sample_ratio): the experiment's arms must receive the shares "
+        "the pinning promised (equal); an exact binomial test below this p-value makes the run inconclusive "
+        "(a dead or ejected replica, or a router bug, not the canary's merit, decided the data).",
+    )
+
     @pydantic.field_validator("enabled")
     @classmethod
     def _known_gate_names(cls, names: list[str] | None) -> list[str] | None:
