@@ -8,6 +8,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from cluster.metrics import SpecDecodeStats
 from rollout.judge.acceptance import judge_acceptance
 from rollout.judge.accuracy import judge_accuracy, judge_divergence
 from rollout.judge.config import GatesConfig
@@ -139,14 +140,26 @@ def test_divergence_without_twin_is_an_absolute_cap():
 # --- acceptance ---------------------------------------------------------------------------------------
 
 
+def spec(drafts: float, per_position: tuple[float, ...]) -> SpecDecodeStats:
+    """Counters of `drafts` drafts whose position-i acceptance rate is per_position[i]."""
+    accepted = tuple(drafts * p for p in per_position)
+    return SpecDecodeStats(drafts=drafts, draft_tokens=drafts * len(per_position), accepted_tokens=sum(accepted),
+                           accepted_per_position=accepted)
+
+
 def test_acceptance_floor():
+    """Rule: the floor is judged on the bounds of the mean from the draft counts (not the point value)."""
     cfg = GatesConfig()
-    assert judge_acceptance(2.4, 1000, cfg).verdict is Verdict.PASS
-    assert judge_acceptance(1.1, 1000, cfg).verdict is Verdict.FAIL
-    assert judge_acceptance(None, 0, cfg).verdict is Verdict.INCONCLUSIVE
-    assert judge_acceptance(float("nan"), 0, cfg).verdict is Verdict.INCONCLUSIVE
-    assert judge_acceptance(1.0, 0, cfg).verdict is Verdict.FAIL
-    disabled = judge_acceptance(None, 0, GatesConfig(min_acceptance_length=None))
+    assert judge_acceptance(spec(1000, (0.8, 0.6)), cfg).verdict is Verdict.PASS  # 2.4
+    assert judge_acceptance(spec(1000, (0.1,)), cfg).verdict is Verdict.FAIL  # 1.1
+    assert judge_acceptance(None, cfg).verdict is Verdict.INCONCLUSIVE
+    assert judge_acceptance(SpecDecodeStats(), cfg).verdict is Verdict.INCONCLUSIVE  # no drafts: the caller decides
+    assert judge_acceptance(spec(10, (0.9,)), cfg).verdict is Verdict.INCONCLUSIVE  # too few drafts
+    # a mean just above the floor over few drafts: a point rule would pass it, the bound does not
+    near = judge_acceptance(spec(200, (0.55,)), cfg)
+    assert near.estimate == pytest.approx(1.55) and near.verdict is Verdict.INCONCLUSIVE
+    assert near.interval[0] < 1.5 < near.interval[1]
+    disabled = judge_acceptance(None, GatesConfig(min_acceptance_length=None))
     assert disabled.verdict is Verdict.PASS and "disabled" in disabled.detail
 
 
@@ -174,4 +187,4 @@ def test_decide_ignores_gates_the_config_does_not_enable():
 
 
 def test_gate_names_are_the_published_ones():
-    assert set(GATE_NAMES) == {"tpot_p50_improvement", "acceptance_length_floor"} | NO_HARM_GATES
+    assert set(GATE_NAMES) == {"tpot_p50_improvement", "acceptance_length_floor", "sample_ratio"} | NO_HARM_GATES

@@ -4,12 +4,21 @@
 `judge_divergence` (greedy output divergence against the twin baseline's A/A
 noise floor): Tango score intervals over the planned looks, plus an always-valid
 betting rule that fails a clear regression at any look.
+
+Reference errors: an item whose baseline (or, for divergence, twin) request failed
+says nothing about the canary, and counting it as "only the canary was right"
+would hide a regression (3% baseline timeouts mask a ~2.8-point drop), so such
+items are left out of the pairs. Above ``max_baseline_eval_error_rate`` of them the
+comparison is not trusted: a PASS becomes INCONCLUSIVE (a FAIL stands: the canary
+was clearly worse on the items both answered). A canary error stays a wrong answer
+of the canary (the fail-closed direction).
 """
 
 from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from dataclasses import dataclass
 
 import numpy as np
 
@@ -27,6 +36,48 @@ from rollout.judge.names import ACCURACY_NAME, DIVERGENCE_NAME
 from rollout.judge.verdicts import GateResult, Verdict
 
 __all__ = ["judge_accuracy", "judge_divergence", "early_stop_log_threshold"]
+
+
+@dataclass(frozen=True)
+class _ReferenceErrors:
+    """Items whose reference request (baseline, or twin) failed: left out of the pairs."""
+
+    items: int
+    dropped: int
+    max_rate: float
+
+    @property
+    def too_many(self) -> bool:
+        return self.items > 0 and self.dropped / self.items > self.max_rate
+
+    def note(self, arm: str) -> str:
+        if not self.dropped:
+            return ""
+        return f" {self.dropped} of {self.items} items left out: the {arm} request failed."
+
+
+def _reference_errors(errored: Sequence[bool] | None, n: int, cfg: GatesConfig, what: str) -> tuple[np.ndarray, _ReferenceErrors]:
+    """(keep mask, counts): the items whose reference request did not fail."""
+    if errored is None:
+        return np.ones(n, dtype=bool), _ReferenceErrors(n, 0, cfg.max_baseline_eval_error_rate)
+    failed = _as_bool_array(errored, what)
+    if failed.size != n:
+        raise ValueError(f"{what} must cover the same items: {failed.size} vs {n}")
+    return ~failed, _ReferenceErrors(n, int(failed.sum()), cfg.max_baseline_eval_error_rate)
+
+
+def _with_reference_errors(gate: GateResult, errors: _ReferenceErrors, arm: str) -> GateResult:
+    """The gate with the left-out items said, and a PASS withheld when too many were left out."""
+    detail = gate.detail + errors.note(arm)
+    if errors.too_many and gate.verdict is Verdict.PASS:
+        return gate.model_copy(
+            update={
+                "verdict": Verdict.INCONCLUSIVE,
+                "detail": f"{errors.dropped} of {errors.items} items had a failed {arm} request "
+                f"(> max_baseline_eval_error_rate {errors.max_rate:g}): the comparison is not trusted, cannot pass. {detail}",
+            }
+        )
+    return gate.model_copy(update={"detail": detail})
 
 
 # ---------------------------------------------------------------------------
@@ -167,6 +218,7 @@ def judge_accuracy(
     max_looks: int | None = None,
     *,
     interim: bool = False,
+    baseline_errored: Sequence[bool] | None = None,
 ) -> GateResult:
     """Paired non-inferiority of canary accuracy (gate ``accuracy_noninferiority``).
 
@@ -187,14 +239,19 @@ def judge_accuracy(
     max_looks=1``. ``interim=True`` marks an unplanned look between planned
     ones (e.g. every 10 items to catch a broken config early): only the
     always-valid rule may decide, so such looks spend no alpha.
+
+    ``baseline_errored`` (per item, whether the baseline request failed): those
+    items are left out; above ``max_baseline_eval_error_rate`` of them no PASS.
     """
     baseline = _as_bool_array(baseline_correct, "baseline_correct")
     canary = _as_bool_array(canary_correct, "canary_correct")
     if baseline.size != canary.size:
         raise ValueError(f"paired accuracy needs equal lengths, got {baseline.size} and {canary.size}")
+    keep, errors = _reference_errors(baseline_errored, baseline.size, cfg, "baseline_errored")
+    baseline, canary = baseline[keep], canary[keep]
     boundary_look, planned, note = resolve_look(look, max_looks, cfg)
     n = baseline.size
-    return _paired_margin_gate(
+    gate = _paired_margin_gate(
         name=ACCURACY_NAME,
         metric="accuracy_diff",
         first=baseline,
@@ -210,6 +267,7 @@ def judge_accuracy(
         canary_value=float(canary.mean()) if n else None,
         what="items",
     )
+    return _with_reference_errors(gate, errors, "baseline")
 
 
 def _absolute_cap_gate(
@@ -282,6 +340,7 @@ def judge_divergence(
     max_looks: int | None = None,
     *,
     interim: bool = False,
+    reference_errored: Sequence[bool] | None = None,
 ) -> GateResult:
     """Greedy output divergence against the A/A noise floor (gate ``output_divergence``).
 
@@ -291,16 +350,19 @@ def judge_divergence(
     ``divergence_margin``. Without a twin the canary's divergence rate itself
     is judged against the margin as an absolute cap (Wilson interval).
     ``baseline`` reports the twin's divergence rate (None without a twin),
-    ``canary`` the canary's.
+    ``canary`` the canary's. ``reference_errored`` (per item, whether the baseline or
+    the twin request failed): those items are left out, as for accuracy.
     """
     canary = _as_bool_array(canary_vs_baseline_diverged, "canary_vs_baseline_diverged")
+    keep, errors = _reference_errors(reference_errored, canary.size, cfg, "reference_errored")
     boundary_look, planned, note = resolve_look(look, max_looks, cfg)
     margin = cfg.divergence_margin
     if twin_vs_baseline_diverged is not None:
         twin = _as_bool_array(twin_vs_baseline_diverged, "twin_vs_baseline_diverged")
         if twin.size != canary.size:
             raise ValueError(f"twin divergence must cover the same items: {twin.size} vs {canary.size}")
-        return _paired_margin_gate(
+        canary, twin = canary[keep], twin[keep]
+        gate = _paired_margin_gate(
             name=DIVERGENCE_NAME,
             metric="divergence_excess_over_twin",
             first=canary,
@@ -316,7 +378,9 @@ def judge_divergence(
             canary_value=float(canary.mean()) if canary.size else None,
             what="items",
         )
-
-    return _absolute_cap_gate(
-        canary, margin, cfg, look=look, boundary_look=boundary_look, planned=planned, look_note=note, interim=interim
-    )
+    else:
+        gate = _absolute_cap_gate(
+            canary[keep], margin, cfg, look=look, boundary_look=boundary_look, planned=planned, look_note=note,
+            interim=interim,
+        )
+    return _with_reference_errors(gate, errors, "baseline" if twin_vs_baseline_diverged is None else "baseline or twin")

@@ -18,7 +18,9 @@ The rules (the controller's, unchanged):
   information at every look;
 * each look judges everything so far: the latency gates (``judge_latency`` with
   every sample's look), the acceptance-length floor on the canary's spec-decode
-  counters since the phase began, and the sample-ratio check;
+  counters since the phase began (``acceptance``), and the sample-ratio check
+  (``sample_ratio``: the arms' completed requests against the equal shares the
+  alternating pinning promises);
 * the phase stops at information 1, or from ``min_looks`` on once every enabled
   gate is decided (``verdicts.is_final``).
 
@@ -41,6 +43,7 @@ from loadtests.records import RequestRecord
 from rollout.judge.acceptance import judge_acceptance
 from rollout.judge.config import GatesConfig
 from rollout.judge.latency import LatencySamples, judge_latency
+from rollout.judge.sample_ratio import judge_sample_ratio
 from rollout.judge.verdicts import GateResult, Verdict, is_final
 
 __all__ = [
@@ -147,7 +150,7 @@ def judge_look(
     canary_spec: SpecDecodeStats | None,
     speculative_canary: bool,
 ) -> list[GateResult]:
-    """Every experiment gate at look ``len(fractions)`` on all records so far.
+    """Every experiment gate at look ``len(fractions)`` on all records so far: latency, acceptance, sample ratio.
 
     ``looks_of[i]`` is the look record ``i`` arrived in; ``fractions`` the information
     fraction of every look so far, this one last. ``canary_spec`` is the canary's
@@ -157,15 +160,14 @@ def judge_look(
     baseline = latency_samples(records, looks_of, BASELINE)
     canary = latency_samples(records, looks_of, CANARY)
     latency = judge_latency(baseline, canary, cfg, look=look, max_looks=plan.planned_looks, information=list(fractions))
-    sd = canary_spec if canary_spec is not None else SpecDecodeStats()
-    acceptance = judge_acceptance(
-        None if canary_spec is None else sd.mean_acceptance_length, int(sd.drafts), cfg
-    )
-    if canary_spec is not None and speculative_canary and sd.drafts <= 0:
+    acceptance = judge_acceptance(canary_spec, cfg, look=look, max_looks=plan.planned_looks, information=list(fractions))
+    if canary_spec is not None and speculative_canary and canary_spec.drafts <= 0:
         acceptance = acceptance.model_copy(
             update={"verdict": Verdict.FAIL, "detail": "the speculative canary made no drafts under load"}
         )
-    return [*latency, acceptance.model_copy(update={"look": look})]
+    # the pinning sends every prompt to each arm in turn: equal shares promised
+    sample_ratio = judge_sample_ratio(requests_by_arm(records), cfg, {arm: 1.0 for arm in ARMS}, look=look)
+    return [*latency, acceptance, sample_ratio]
 
 
 def stop_after(look: int, fractions: Sequence[float], plan: LookPlan, gates: Sequence[GateResult], cfg: GatesConfig) -> str | None:

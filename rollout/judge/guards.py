@@ -79,6 +79,7 @@ from cluster.metrics import SpecDecodeStats
 from loadtests.health import percentile_ms
 from loadtests.records import RequestRecord
 from rollout.judge import stats
+from rollout.judge.acceptance import MIN_DRAFTS, acceptance_sd  # one copy of the spread of accepted tokens per draft
 from rollout.judge.config import GuardConfig
 from rollout.judge.verdicts import GateResult, Verdict
 
@@ -103,7 +104,6 @@ GUARD_NAMES = (HEALTH, ERRORS, TTFT, TPOT, ACCEPTANCE)
 
 GUARD_ALPHA = 0.001  # bound on the false-abort chance per window, all guards and looks together
 MIN_CANARY_ERRORS = 3  # never abort on fewer canary errors than this
-MIN_DRAFTS = 20  # fewer drafts in a window: the acceptance length is not judged
 SLO_QUANTILE = 0.95
 DISABLED = "disabled: "
 
@@ -302,20 +302,6 @@ def _slo(
     return GateResult(**base, verdict=Verdict.INCONCLUSIVE, detail=f"{counts}: {why}")
 
 
-def _acceptance_sd(delta: SpecDecodeStats) -> float:
-    """Standard deviation of accepted tokens per draft, from the per-position counters."""
-    drafts = delta.drafts
-    per_pos = list(delta.accepted_per_position)
-    if per_pos and sum(per_pos) > 0 and abs(sum(per_pos) - delta.accepted_tokens) <= 0.5 + 1e-6 * delta.accepted_tokens:
-        tail = [min(1.0, max(0.0, a / drafts)) for a in per_pos]  # P(A >= i), i = 1..k
-        mean = sum(tail)
-        second = sum((2 * i + 1) * t for i, t in enumerate(tail))  # E[A^2] = sum (2i - 1) P(A >= i)
-        return math.sqrt(max(0.0, second - mean * mean))
-    # No usable profile: the largest variance a value in [0, k] can have.
-    k = delta.draft_tokens / drafts if drafts > 0 else 1.0
-    return k / 2.0
-
-
 def _acceptance(
     delta: SpecDecodeStats | None,
     c: ArmWindow,
@@ -350,7 +336,7 @@ def _acceptance(
         return GateResult(**base, verdict=Verdict.INCONCLUSIVE, detail="no drafts in the window (too little canary traffic)")
     if floor is None:
         return GateResult(**base, verdict=Verdict.PASS, detail=f"{drafts} drafts, mean acceptance length {mean:.2f} (no floor set)")
-    sd = _acceptance_sd(delta)
+    sd = acceptance_sd(delta)
     z = float(sps.norm.isf(alpha))
     upper = mean + z * sd / math.sqrt(drafts)
     base["interval"] = (mean - z * sd / math.sqrt(drafts), upper)

@@ -2,11 +2,32 @@
 
 from __future__ import annotations
 
-__all__ = ["OBJECTIVE_NAME", "GUARDRAIL_NAMES", "ACCURACY_NAME", "DIVERGENCE_NAME", "ACCEPTANCE_NAME", "GATE_NAMES"]
+__all__ = [
+    "OBJECTIVE_NAME",
+    "GUARDRAIL_NAMES",
+    "ACCURACY_NAME",
+    "DIVERGENCE_NAME",
+    "ACCEPTANCE_NAME",
+    "SAMPLE_RATIO_NAME",
+    "GATE_NAMES",
+    "GATE_PHASES",
+]
 
 OBJECTIVE_NAME = "tpot_p50_improvement"
 GUARDRAIL_NAMES = ("ttft_p95_guard", "e2e_p95_guard", "error_rate_guard")
 ACCURACY_NAME = "accuracy_noninferiority"
 DIVERGENCE_NAME = "output_divergence"
 ACCEPTANCE_NAME = "acceptance_length_floor"
-GATE_NAMES = (OBJECTIVE_NAME, *GUARDRAIL_NAMES, ACCURACY_NAME, DIVERGENCE_NAME, ACCEPTANCE_NAME)
+SAMPLE_RATIO_NAME = "sample_ratio"
+GATE_NAMES = (OBJECTIVE_NAME, *GUARDRAIL_NAMES, ACCURACY_NAME, DIVERGENCE_NAME, ACCEPTANCE_NAME, SAMPLE_RATIO_NAME)
+
+# the run phase (rollout.config section) whose data judges each gate: with that phase
+# disabled the gate cannot be judged, so the run cannot promote while the gate is enabled
+GATE_PHASES = {
+    OBJECTIVE_NAME: "experiment",
+    **{name: "experiment" for name in GUARDRAIL_NAMES},
+    ACCEPTANCE_NAME: "experiment",
+    SAMPLE_RATIO_NAME: "experiment",
+    ACCURACY_NAME: "accuracy",
+    DIVERGENCE_NAME: "accuracy",
+}

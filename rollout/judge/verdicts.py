@@ -2,7 +2,11 @@
 
 `decide` and `is_final` turn the gates' verdicts into PROMOTE / ROLLBACK /
 INCONCLUSIVE and say when the sequential procedure may stop; `is_enabled` says
-which gates a `GatesConfig` asks for.
+which gates a `GatesConfig` asks for, `missing_gates` which of those no result covers.
+
+Fail closed: with a config, PROMOTE needs every gate it enables to be present and
+passed. A gate that was never judged (its phase disabled or skipped) is missing
+evidence, never a pass; to promote without it, leave it out of ``gates.enabled``.
 """
 
 from __future__ import annotations
@@ -13,7 +17,7 @@ import pydantic
 from pydantic import Field
 
 from rollout.judge.config import GatesConfig
-from rollout.judge.names import ACCEPTANCE_NAME
+from rollout.judge.names import ACCEPTANCE_NAME, GATE_NAMES
 
 __all__ = [
     "Verdict",
@@ -22,6 +26,7 @@ __all__ = [
     "decide",
     "is_final",
     "is_enabled",
+    "missing_gates",
 ]
 
 
@@ -74,27 +79,41 @@ def is_enabled(name: str, cfg: GatesConfig) -> bool:
 # ---------------------------------------------------------------------------
 
 
+def missing_gates(results: Sequence[GateResult], cfg: GatesConfig) -> list[str]:
+    """The gates ``cfg`` enables that no result covers, in GATE_NAMES order."""
+    present = {r.name for r in results}
+    return [name for name in GATE_NAMES if is_enabled(name, cfg) and name not in present]
+
+
 def _considered(results: Sequence[GateResult], cfg: GatesConfig | None) -> list[GateResult]:
+    """The results that count: gates the config enables, and gates it cannot name (preflight checks)."""
     if cfg is None:
         return list(results)
-    return [r for r in results if is_enabled(r.name, cfg)]
+    return [r for r in results if r.name not in GATE_NAMES or is_enabled(r.name, cfg)]
 
 
 def decide(results: Sequence[GateResult], cfg: GatesConfig | None = None) -> Decision:
     """Any FAIL -> ROLLBACK; all PASS (at least one gate) -> PROMOTE; else INCONCLUSIVE.
 
-    With ``cfg``, gates it does not enable are ignored.
+    With ``cfg``, gates it does not enable are ignored, and a gate it enables that is
+    missing from ``results`` makes PROMOTE impossible (INCONCLUSIVE unless a gate failed).
     """
     considered = _considered(results, cfg)
     if any(r.verdict is Verdict.FAIL for r in considered):
         return Decision.ROLLBACK
+    if cfg is not None and missing_gates(results, cfg):
+        return Decision.INCONCLUSIVE
     if considered and all(r.verdict is Verdict.PASS for r in considered):
         return Decision.PROMOTE
     return Decision.INCONCLUSIVE
 
 
 def is_final(results: Sequence[GateResult], cfg: GatesConfig | None = None) -> bool:
-    """True when the sequential procedure may stop: any FAIL, or every gate decided."""
+    """True when the sequential procedure may stop: any FAIL, or every gate decided.
+
+    Only the gates in ``results`` count here (a phase asks about its own gates; the
+    gates of other phases are not missing from it).
+    """
     considered = _considered(results, cfg)
     if any(r.verdict is Verdict.FAIL for r in considered):
         return True

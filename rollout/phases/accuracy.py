@@ -29,12 +29,20 @@ def eval_spec(ctx: RunContext) -> EvalSpec:
 
 
 def judge_outcomes(ctx: RunContext, outcomes: dict[str, list[ItemOutcome]], interim: bool) -> tuple[GateResult, GateResult]:
+    """Both accuracy gates on the outcomes so far. Items whose baseline (or twin) request
+    failed are left out of the pairs (rollout.judge.accuracy); a canary error is the
+    canary being wrong."""
     gates_cfg = ctx.cfg.gates
     base, canary = outcomes[BASELINE], outcomes[CANARY]
+    baseline_errored = [o.error is not None for o in base]
     accuracy_gate = judge_accuracy(
-        [o.correct for o in base], [o.correct for o in canary], gates_cfg, look=1, max_looks=1, interim=interim
+        [o.correct for o in base], [o.correct for o in canary], gates_cfg, look=1, max_looks=1, interim=interim,
+        baseline_errored=baseline_errored,
     )
     twin = outcomes.get(TWIN)
+    reference_errored = (
+        baseline_errored if twin is None else [b or t.error is not None for b, t in zip(baseline_errored, twin)]
+    )
     divergence_gate = judge_divergence(
         [outputs_differ(b, c) for b, c in zip(base, canary)],
         [outputs_differ(b, t) for b, t in zip(base, twin)] if twin is not None else None,
@@ -42,6 +50,7 @@ def judge_outcomes(ctx: RunContext, outcomes: dict[str, list[ItemOutcome]], inte
         look=1,
         max_looks=1,
         interim=interim,
+        reference_errored=reference_errored,
     )
     return accuracy_gate, divergence_gate
 

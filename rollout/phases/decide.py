@@ -4,27 +4,52 @@ resumed run, and finally acted on: the router sends 100% to the winner."""
 
 from __future__ import annotations
 
-from rollout.judge.verdicts import Decision, Verdict, decide, is_enabled
+from rollout.judge.names import GATE_PHASES
+from rollout.judge.verdicts import Decision, Verdict, decide, is_enabled, missing_gates
 from rollout.resume import JUDGED, PRE_JUDGEMENT_PHASES, Judgement
 from rollout.run_context import RunContext
 
 
 def decide_now(ctx: RunContext) -> None:
-    """The decision the gates so far support, with its reason, into ctx.result."""
+    """The decision the gates so far support, with its reason, into ctx.result.
+
+    Fail closed: a gate the config enables that no phase judged blocks PROMOTE, and
+    the reason names it and what to change (rollout.judge.verdicts.decide).
+    """
     gates_cfg = ctx.cfg.gates
     considered = [g for g in ctx.result.gates if g.name.startswith("preflight") or is_enabled(g.name, gates_cfg)]
-    decision = decide(considered)
+    decision = decide(considered, gates_cfg)
     failed = [g.name for g in considered if g.verdict == Verdict.FAIL]
     open_ = [g.name for g in considered if g.verdict == Verdict.INCONCLUSIVE]
+    missing = missing_gates(considered, gates_cfg)
     if decision == Decision.PROMOTE:
         reason = "every gate passed: " + ", ".join(g.name for g in considered)
     elif decision == Decision.ROLLBACK:
         reason = "failed: " + ", ".join(failed)
     else:
-        reason = "not enough evidence: " + ", ".join(open_) if open_ else "no gate was judged"
+        parts = [f"not enough evidence: {', '.join(open_)}"] if open_ else []
+        if missing:
+            parts.append(missing_reason(ctx, missing))
+        reason = "; ".join(parts) if parts else "no gate was judged"
         if ctx.experiment_capped:
             reason = f"{ctx.experiment_capped}; {reason}"
     ctx.result.decision, ctx.result.reason = decision, reason
+
+
+def missing_reason(ctx: RunContext, missing: list[str]) -> str:
+    """Why enabled gates were never judged, and how to promote without them (one line)."""
+    by_phase: dict[str, list[str]] = {}
+    for name in missing:
+        by_phase.setdefault(GATE_PHASES.get(name, "experiment"), []).append(name)
+    parts = []
+    for phase, names in by_phase.items():
+        section = getattr(ctx.cfg, phase, None)
+        why = f"{phase}.enabled is false" if section is not None and not section.enabled else f"the {phase} phase did not run"
+        parts.append(f"{', '.join(names)} ({why})")
+    return (
+        "enabled but never judged: " + "; ".join(parts)
+        + ": the run cannot promote without them; to promote without them, list only the gates to judge in gates.enabled"
+    )
 
 
 class RestoreJudgement:
