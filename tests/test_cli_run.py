@@ -103,11 +103,25 @@ def test_local_cpu_default_promotes_with_a_full_decision_record(tmp_path):
     assert wait_no_server_processes() == []
 
 
+ENGINE_KEYS = {"baseline": "sk-baseline-engine-key-0123456789", "canary": "sk-canary-engine-key-9876543210"}
+
+
 def test_bad_drafts_roll_back_on_latency_or_acceptance(tmp_path):
+    """Also: engines started with --api-key (a key of each arm's own) work end to end (the preflight,
+    the accuracy evals, Locust through the router), and no key reaches a file of the run or its output."""
     runs = tmp_path / "runs"
-    proc = run_cli("run", "configs/examples/local-bad-drafts.yaml", "--runs-dir", str(runs), "--run-id", "bad", "--eval-limit", "32")
+    data = yaml.safe_load((REPO / "configs" / "examples" / "local-bad-drafts.yaml").read_text())
+    for arm, key in ENGINE_KEYS.items():
+        data[arm]["engine"]["extra_args"] = ["--api-key", key]
+    config = tmp_path / "bad-drafts-with-keys.yaml"
+    config.write_text(yaml.safe_dump(data))
+    proc = run_cli("run", str(config), "--runs-dir", str(runs), "--run-id", "bad", "--eval-limit", "32")
     print(proc.stdout[-6000:], proc.stderr[-3000:])
     assert proc.returncode == 3, proc.stdout[-2000:]
+    for key in ENGINE_KEYS.values():
+        assert key not in proc.stdout + proc.stderr
+        leaked = [p for p in runs.rglob("*") if p.is_file() and key.encode() in p.read_bytes()]
+        assert leaked == [], leaked
     doc = decision_of(runs, "bad")
     assert doc["decision"] == "rollback"
     assert key_paths(doc) == key_paths(recorded_document("bad"))
