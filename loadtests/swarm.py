@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import json
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -169,9 +170,38 @@ class SwarmError(RuntimeError):
     """The run failed or its records are incomplete; the message names the cause and the logs."""
 
 
+# Ports a server is told to bind seconds after free_port() saw them free (Locust's master, a vLLM
+# replica) come from below the kernel's ephemeral range: bind(0) and every outgoing connection
+# (thousands per run: Locust -> router -> replicas) take their ports from that range, so a port
+# picked there can be taken before the server binds it. Below it only another explicit bind can.
+_FIXED_PORTS_FROM = 10000
+_PORT_TRIES = 64
+
+
+def _ephemeral_range() -> tuple[int, int]:
+    try:
+        low, high = (int(v) for v in Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split())
+        return low, high
+    except (OSError, ValueError):
+        return 32768, 60999  # Linux's default
+
+
 def free_port(host: str = "127.0.0.1") -> int:
+    """A port free on `host` now, outside the ephemeral range where the system has room for one."""
+    address = "0.0.0.0" if host == "*" else host
+    low, _ = _ephemeral_range()
+    if low - _FIXED_PORTS_FROM >= 1000:
+        rng = random.SystemRandom()
+        for _ in range(_PORT_TRIES):
+            port = rng.randrange(_FIXED_PORTS_FROM, low)
+            with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
+                try:
+                    probe.bind((address, port))
+                except OSError:
+                    continue
+                return port
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as probe:
-        probe.bind(("0.0.0.0" if host == "*" else host, 0))
+        probe.bind((address, 0))
         return probe.getsockname()[1]
 
 

@@ -80,3 +80,17 @@ def test_a_port_that_stays_taken_fails_after_the_retries(stand_in_server, monkey
     finally:
         replica.stop(grace_s=2)
         holder.close()
+
+
+def test_ports_handed_to_servers_come_from_below_the_ephemeral_range():
+    """free_port's pick is bound seconds later by Locust's master or vLLM: from the ephemeral range,
+    any outgoing connection (thousands per run) could take it first."""
+    import socket
+
+    from loadtests.swarm import _ephemeral_range, free_port
+
+    low, high = _ephemeral_range()
+    ports = {free_port() for _ in range(20)}
+    assert all(p < low for p in ports) and len(ports) > 10, (sorted(ports), low)
+    with socket.socket() as s:  # and free: a server can bind it
+        s.bind(("127.0.0.1", ports.pop()))
