@@ -293,6 +293,50 @@ def test_an_upstream_that_never_answers_gets_504_after_the_first_byte_timeout(ha
     assert harness.state(server)["arm_counts"]["baseline"]["errors"] == 1
 
 
+def _listener_that_accepts_no_connection() -> tuple[socket.socket, list[socket.socket], str]:
+    """A port whose accept queue is full: Linux drops further SYNs, so a connect hangs (a replica
+    whose server stopped accepting, or a host behind a black-holing firewall)."""
+    listener = socket.socket()
+    listener.bind(("127.0.0.1", 0))
+    listener.listen(0)
+    port = listener.getsockname()[1]
+    fillers: list[socket.socket] = []
+    for _ in range(8):  # never accepted: they fill the queue
+        filler = socket.socket()
+        filler.setblocking(False)
+        filler.connect_ex(("127.0.0.1", port))
+        fillers.append(filler)
+    time.sleep(0.2)
+    probe = socket.socket()
+    probe.settimeout(1.0)
+    try:
+        probe.connect(("127.0.0.1", port))
+        hangs = False
+    except (TimeoutError, socket.timeout):
+        hangs = True
+    finally:
+        probe.close()
+    assert hangs, "this kernel accepted a connection beyond a full accept queue: no stand-in for a hung connect"
+    return listener, fillers, f"http://127.0.0.1:{port}"
+
+
+def test_an_upstream_that_accepts_no_connection_gets_504_after_the_connect_timeout(harness: Harness) -> None:
+    listener, fillers, hung = _listener_that_accepts_no_connection()
+    try:
+        server, url = harness.router({"baseline": [hung]}, limits=RouterLimits(upstream_connect_timeout_s=0.5))
+        started = time.monotonic()
+        response = requests.post(f"{url}/v1/completions", json={"prompt": "hi"}, timeout=60)
+        elapsed = time.monotonic() - started
+        assert response.status_code == 504, response.text
+        error = response.json()["error"]
+        assert "upstream_connect_timeout_s" in error["message"] and "connection" in error["message"]
+        assert 0.5 <= elapsed < 30  # its own timeout, not the client's
+        assert harness.state(server)["arm_counts"]["baseline"]["errors"] == 1  # an error of its arm
+    finally:
+        for sock in [listener, *fillers]:
+            sock.close()
+
+
 def test_an_upstream_silent_mid_stream_has_the_client_stream_cut(harness: Harness) -> None:
     server, url = harness.router(
         {"baseline": [harness.upstreams.stalling]}, limits=RouterLimits(upstream_idle_timeout_s=0.5)
