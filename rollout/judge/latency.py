@@ -3,7 +3,28 @@
 `judge_latency(baseline, canary, cfg, ...)` judges quantile ratios canary /
 baseline on repeated confidence bounds intersected over the looks, and the
 error-rate difference with Newcombe bounds; the guardrails' rollback side is
-Holm-adjusted. `LatencySamples` is one arm's input.
+Holm-adjusted. `LatencySamples` is one arm's input;
+`latency_samples_from_records` builds it from the load test's records.
+
+How a quantile ratio is bounded at each look (``rollout.judge.stats``):
+
+* failed requests (not cancelled ones) are +inf ranks in every latency
+  quantile, so a canary that turns its slowest requests into errors gains
+  nothing (the error-rate guardrail judges the errors themselves as before);
+* each arm's quantile has exact order-statistic bounds at the look's level,
+  widened to the block-robust (Woodruff, t on blocks - 1 df) band by the
+  arm's design effect; never narrower than the iid band, never clipped: a
+  band that reaches past the sample leaves the gate INCONCLUSIVE and says how
+  many samples it needs;
+* blocks are the looks when the samples carry their look (``window``), else
+  runs of ``RUN_BLOCK_REQUESTS`` consecutive samples. A latency level shared
+  by all requests of a look is invisible inside one look, so no quantile gate
+  reaches a verdict before an arm has samples from 2 blocks (with the looks
+  as blocks: never at look 1), and the few degrees of freedom of the first
+  looks make early verdicts need large effects;
+* ties (a measurement tick) move each bound to the neighbouring distinct
+  value; a zero-width band or interval is INCONCLUSIVE, never PASS;
+* the arms are combined by MOVER on the log scale.
 """
 
 from __future__ import annotations
@@ -14,6 +35,9 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from scipy import special
+
+from loadtests.records import RequestRecord
 from rollout.judge import stats
 from rollout.judge.config import GatesConfig
 from rollout.judge.looks import (
@@ -28,18 +52,36 @@ from rollout.judge.looks import (
 from rollout.judge.names import GUARDRAIL_NAMES, OBJECTIVE_NAME
 from rollout.judge.verdicts import GateResult, Verdict, is_enabled
 
-__all__ = ["LatencySamples", "judge_latency", "cumulative_bounds"]
+__all__ = [
+    "LatencySamples",
+    "latency_samples_from_records",
+    "judge_latency",
+    "cumulative_bounds",
+    "sample_design_effect",
+    "RUN_BLOCK_REQUESTS",
+]
+
+#: Block length, in consecutive samples, when the samples carry no look ids.
+#: Twice the 10-request stall runs measured on the demo (a run of stalls
+#: mostly falls in one block), and short enough for ~10 blocks at 200 per arm.
+RUN_BLOCK_REQUESTS = 20
 
 
 @dataclass(frozen=True)
 class LatencySamples:
-    """One arm's per-request latencies so far (successful requests only).
+    """One arm's per-request latencies so far (successful requests only) and its failed requests.
 
     ``n_total`` counts every request sent, errors included. ``window``, when
     given, holds for every sample the look (1-based window number) in which it
     arrived; the judge then intersects the repeated confidence intervals of
     all looks so far, so a verdict once reached is never taken back and an
-    interval never widens as data accrue.
+    interval never widens as data accrue, and it uses the looks as the blocks
+    of its block-robust bounds. ``error_window``, when given, holds the look
+    of each of the ``n_errors`` failed requests. Failed requests count as
+    +inf in every latency quantile; without ``error_window`` they are spread
+    evenly through the samples' order (and looks). Samples are in completion
+    order (within a look at least): runs of them are the blocks when there
+    is no ``window``.
     """
 
     ttft_s: np.ndarray
@@ -48,6 +90,37 @@ class LatencySamples:
     n_errors: int
     n_total: int
     window: np.ndarray | None = None
+    error_window: np.ndarray | None = None
+
+
+def _record_arm(record: RequestRecord) -> str | None:
+    # the controller's rule: the arm that answered, else the one it was pinned to
+    return record.arm if record.arm is not None else record.pinned_arm
+
+
+def latency_samples_from_records(records: Sequence[RequestRecord], looks_of: Sequence[int], arm: str) -> LatencySamples:
+    """One arm's `LatencySamples` from the load test's records, ``looks_of[i]`` the look of ``records[i]``.
+
+    Exactly the controller's rule (cancelled requests are neither samples nor
+    errors; an ok request without TTFT or TPOT, e.g. a one-token output, is
+    counted in ``n_total`` only), plus the look of every failed request
+    (``error_window``), so errors enter the quantiles in their own block.
+    Records are expected in completion order within each look.
+    """
+    if len(records) != len(looks_of):
+        raise ValueError(f"one look per record needed: {len(looks_of)} for {len(records)} records")
+    mine = [(r, w) for r, w in zip(records, looks_of) if _record_arm(r) == arm and not r.cancelled]
+    ok = [(r, w) for r, w in mine if r.ok and r.ttft_s is not None and r.tpot_s is not None]
+    failed = [w for r, w in mine if not r.ok]
+    return LatencySamples(
+        ttft_s=np.array([r.ttft_s for r, _ in ok], dtype=float),
+        tpot_s=np.array([r.tpot_s for r, _ in ok], dtype=float),
+        e2e_s=np.array([r.e2e_s for r, _ in ok], dtype=float),
+        n_errors=len(failed),
+        n_total=len(mine),
+        window=np.array([w for _, w in ok], dtype=int),
+        error_window=np.array(failed, dtype=int),
+    )
 
 
 # ---------------------------------------------------------------------------
@@ -72,33 +145,112 @@ def cumulative_bounds(
 
 
 @dataclass(frozen=True)
-class _QuantileLook:
-    log_quantile: float
-    se: float
-    n: int
+class _ArmLook:
+    """One arm's samples of one latency field up to one look: what its quantile band needs.
+
+    ``sorted_values``: the successful samples then +inf per failed request;
+    ``n_blocks`` blocks with samples, ``deff`` the design effect of the
+    quantile judged (NaN with fewer than 2 blocks).
+    """
+
+    sorted_values: np.ndarray
+    n_ok: int
+    n_errors: int
+    n_blocks: int
+    deff: float
+
+    def band(self, q: float, level: float, df: float | None = None) -> stats.QuantileBand:
+        return stats.quantile_band(self.sorted_values, q, level, self.deff, self.n_blocks, df)
+
+    def block_variance(self, q: float) -> float:
+        """Block-robust variance of the log quantile, up to a constant: design effect x the iid SE squared."""
+        if self.n_ok < 2 or not math.isfinite(self.deff):
+            return math.inf
+        with np.errstate(invalid="ignore"):  # +inf (failed requests) in the band: an infinite SE, handled below
+            _, se = stats.log_quantile_with_se(self.sorted_values, q)
+        return self.deff * float(se) ** 2 if math.isfinite(float(se)) else math.inf
 
 
-def _finite_positive(values: np.ndarray, window: np.ndarray | None) -> tuple[np.ndarray, np.ndarray | None]:
-    values = np.asarray(values, dtype=float).ravel()
-    keep = np.isfinite(values) & (values > 0)
-    if window is None:
-        return values[keep], None
-    window = np.asarray(window).ravel()
-    if window.size != values.size:
-        raise ValueError(f"window ids ({window.size}) must match the samples ({values.size})")
-    return values[keep], window[keep]
+def _pair_df(bl: _ArmLook, cl: _ArmLook, q: float) -> float:
+    """Degrees of freedom of the ratio's block-robust variance: Welch-Satterthwaite over the arms' G - 1."""
+    return stats.welch_df(bl.block_variance(q), bl.n_blocks - 1, cl.block_variance(q), cl.n_blocks - 1)
 
 
-def _quantile_by_look(values: np.ndarray, window: np.ndarray | None, q: float, looks: Sequence[int], current: int):
-    out: list[_QuantileLook | None] = []
-    for lk in looks:
-        subset = values if (window is None or lk >= current) else values[window <= lk]
-        if subset.size < 2:
-            out.append(None)
-            continue
-        log_q, se = stats.log_quantile_with_se(np.sort(subset), q)
-        out.append(_QuantileLook(float(log_q), float(se), int(subset.size)))
-    return out
+@dataclass(frozen=True)
+class _ArmSeries:
+    """One arm's samples of one latency field, failed requests as +inf, with the block and look of each.
+
+    ``looks`` is None when the samples carry no look ids (then only the
+    current look is judged, and blocks are runs of consecutive samples).
+    """
+
+    values: np.ndarray
+    is_error: np.ndarray
+    blocks: np.ndarray
+    looks: np.ndarray | None
+    dropped: int
+    block_kind: str
+
+    def up_to(self, look: int | None, q: float) -> _ArmLook:
+        keep = slice(None) if (self.looks is None or look is None) else self.looks <= look
+        values, blocks, errors = self.values[keep], self.blocks[keep], self.is_error[keep]
+        n_blocks = int(np.unique(blocks).size)
+        deff = stats.design_effect(values, blocks, q) if n_blocks >= 2 else float("nan")
+        n_errors = int(errors.sum())
+        return _ArmLook(np.sort(values), int(values.size) - n_errors, n_errors, n_blocks, deff)
+
+
+def _arm_series(samples: LatencySamples, field: str) -> _ArmSeries:
+    """The arm's finite positive samples of ``field`` (others dropped and counted) and its errors as +inf."""
+    raw = np.asarray(getattr(samples, field), dtype=float).ravel()
+    keep = np.isfinite(raw) & (raw > 0)
+    values = raw[keep]
+    n_ok, n_errors = int(values.size), max(int(samples.n_errors), 0)
+    window = None
+    if samples.window is not None:
+        window = np.asarray(samples.window).ravel()
+        if window.size != raw.size:
+            raise ValueError(f"window ids ({window.size}) must match the samples ({raw.size})")
+        window = window[keep]
+    # Where the errors sit when their looks are not given: evenly through the
+    # samples' order, so they neither cluster in one block nor vanish.
+    spread = np.minimum(((np.arange(n_errors) + 0.5) * n_ok / max(n_errors, 1)).astype(int), max(n_ok - 1, 0))
+    if window is not None:
+        if samples.error_window is not None:
+            error_looks = np.asarray(samples.error_window).ravel()
+            if error_looks.size != n_errors:
+                raise ValueError(f"error_window ({error_looks.size}) must hold the look of each of the {n_errors} errors")
+        else:
+            error_looks = window[spread] if n_ok else np.ones(n_errors, dtype=int)
+        looks = np.concatenate([window, error_looks]).astype(int)
+        blocks, kind = looks, "looks"
+    else:
+        positions = np.concatenate([np.arange(n_ok), spread if n_ok else np.arange(n_errors)])
+        looks, blocks, kind = None, positions // RUN_BLOCK_REQUESTS, f"runs of {RUN_BLOCK_REQUESTS} requests"
+    return _ArmSeries(
+        values=np.concatenate([values, np.full(n_errors, np.inf)]),
+        is_error=np.concatenate([np.zeros(n_ok, dtype=bool), np.ones(n_errors, dtype=bool)]),
+        blocks=blocks,
+        looks=looks,
+        dropped=int(raw.size - n_ok),
+        block_kind=kind,
+    )
+
+
+def sample_design_effect(samples: LatencySamples, field: str, q: float) -> float:
+    """The design effect (block-robust over iid variance) of one arm's ``field`` q-quantile, as the judge uses it.
+
+    ``field``: "ttft_s", "tpot_s" or "e2e_s". Blocks are the looks when the
+    samples carry them, else runs of `RUN_BLOCK_REQUESTS`; failed requests
+    count as +inf. NaN with fewer than 2 blocks.
+    """
+    return _arm_series(samples, field).up_to(None, q).deff
+
+
+def _level_of(z_value: float) -> float:
+    """One-sided level of a critical z (the order-statistic bands work in levels, not z)."""
+    return float(special.ndtr(-z_value)) if math.isfinite(z_value) else 0.0
+
 
 @dataclass(frozen=True)
 class _LookPlan:
@@ -123,8 +275,11 @@ class _QuantileRatioBounds:
 
     ``upper`` is the pass-side bound (alpha); ``lowers`` holds the fail-side
     bound at each requested fail level (one per Holm step for guardrails).
-    ``usable``: both arms have at least ``min_requests_per_arm`` samples now.
-    ``dropped``: non-finite/non-positive samples removed (baseline, canary).
+    ``usable``: some look so far had bounds (enough samples and blocks, bands
+    inside the samples, non-degenerate); ``why_not`` says why the current one
+    has none ("" when it has). ``dropped``: non-finite/non-positive samples
+    removed (baseline, canary); ``errors``: failed requests counted as +inf;
+    ``deff``/``blocks``: each arm's design effect and block count now.
     """
 
     name: str
@@ -141,6 +296,12 @@ class _QuantileRatioBounds:
     n_canary: int
     looks_used: int
     dropped: tuple[int, int]
+    why_not: str = ""
+    errors: tuple[int, int] = (0, 0)
+    deff: tuple[float, float] = (math.nan, math.nan)
+    blocks: tuple[int, int] = (0, 0)
+    block_kind: str = "looks"
+    tie_widened: bool = False
 
 
 @dataclass(frozen=True)
@@ -171,6 +332,35 @@ class _HolmStep:
     level: float
 
 
+def _why_no_bounds(
+    bl: _ArmLook, cl: _ArmLook, q: float, level: float, cfg: GatesConfig, label: str
+) -> tuple[str, stats.QuantileBand | None, stats.QuantileBand | None]:
+    """Why a look gives no pass-side bounds ("" when it does), with the arms' bands at the pass level."""
+    if min(bl.n_ok, cl.n_ok) < cfg.min_requests_per_arm:
+        return f"Too few {label} samples ({bl.n_ok}/{cl.n_ok} < {cfg.min_requests_per_arm} per arm).", None, None
+    if min(bl.n_blocks, cl.n_blocks) < 2:
+        return (
+            f"Needs samples from at least 2 blocks per arm (has {bl.n_blocks}/{cl.n_blocks}): a latency level "
+            "shared by one block's requests cannot be told from the arms' difference inside it."
+        ), None, None
+    df = _pair_df(bl, cl, q)
+    bb, cb = bl.band(q, level, df), cl.band(q, level, df)
+    n_needed = stats.samples_needed(q, level)
+    if min(bb.n, cb.n) < n_needed:
+        return (
+            f"The p{round(q * 100)}'s exact rank band at level {level:.3g} needs >= {n_needed} samples per arm "
+            f"(has {bb.n}/{cb.n}, failed requests included)."
+        ), None, None
+    if not (bb.in_sample and cb.in_sample):
+        return (
+            f"The block-robust rank band (t on {df:.1f} df at level {level:.3g}, design effect "
+            f"{bl.deff:.2f}/{cl.deff:.2f}) reaches past the sample: more samples or looks needed."
+        ), None, None
+    if bb.degenerate or cb.degenerate:
+        return "Degenerate band (every sample in it tied, nothing to widen by): never a pass.", None, None
+    return "", bb, cb
+
+
 def _quantile_ratio_bounds(
     *,
     name: str,
@@ -188,55 +378,70 @@ def _quantile_ratio_bounds(
 
     Returns the numbers a guardrail or the objective needs: point values,
     the pass-side upper bound (alpha), the fail-side lower bound at each of
-    ``fail_levels`` (Holm steps), usability flags.
+    ``fail_levels`` (Holm steps), usability flags. Each look's bounds are
+    MOVER combinations of the arms' block-robust order-statistic bands; a
+    look without them (see `_why_no_bounds`) restricts nothing.
     """
     boundary_look, planned, information = plan.boundary_look, plan.planned, plan.information
-    b_values, b_window = _finite_positive(getattr(baseline, field), baseline.window)
-    c_values, c_window = _finite_positive(getattr(canary, field), canary.window)
-    use_windows = b_window is not None and c_window is not None
+    label = metric.split("_")[0].upper()
+    b_series, c_series = _arm_series(baseline, field), _arm_series(canary, field)
+    use_windows = b_series.looks is not None and c_series.looks is not None
     looks = list(range(1, boundary_look + 1)) if use_windows else [boundary_look]
-    b_looks = _quantile_by_look(b_values, b_window if use_windows else None, q, looks, boundary_look)
-    c_looks = _quantile_by_look(c_values, c_window if use_windows else None, q, looks, boundary_look)
 
-    usable = np.array(
-        [
-            bl is not None and cl is not None and min(bl.n, cl.n) >= cfg.min_requests_per_arm
-            for bl, cl in zip(b_looks, c_looks)
-        ]
-    )
-    nan = float("nan")
-    log_b = np.array([bl.log_quantile if bl else nan for bl in b_looks])
-    se_b = np.array([bl.se if bl else nan for bl in b_looks])
-    log_c = np.array([cl.log_quantile if cl else nan for cl in c_looks])
-    se_c = np.array([cl.se if cl else nan for cl in c_looks])
+    n_looks = len(looks)
+    usable = np.zeros(n_looks, dtype=bool)
+    upper_own = np.full(n_looks, np.inf)
+    lower_own = np.full((len(fail_levels), n_looks), -np.inf)
+    why_not = ""
+    b_now = c_now = None
+    for i, lk in enumerate(looks):
+        upto = lk if (use_windows and lk < boundary_look) else None
+        bl, cl = b_series.up_to(upto, q), c_series.up_to(upto, q)
+        b_now, c_now = bl, cl
+        pass_level = _level_of(z(cfg.alpha, lk, planned, cfg, information))
+        why_not, bb, cb = _why_no_bounds(bl, cl, q, pass_level, cfg, label)
+        if bb is None or cb is None:
+            continue
+        df = _pair_df(bl, cl, q)
+        _, low_at_pass, up = stats.mover_log_ratio_bounds(bb, cb)
+        if not low_at_pass < up:
+            why_not = "Zero-width interval (all the band's samples tied): never a pass."
+            continue
+        usable[i] = True
+        upper_own[i] = up
+        for j, level in enumerate(fail_levels):
+            fail_level = _level_of(z(level, lk, planned, cfg, information))
+            lower_own[j, i] = stats.mover_log_ratio_bounds(bl.band(q, fail_level, df), cl.band(q, fail_level, df))[1]
 
-    z_pass = np.array([z(cfg.alpha, lk, planned, cfg, information) for lk in looks])
-    log_ratio, _, _, upper_own = stats.log_ratio_interval(log_b, se_b, log_c, se_c, np.inf, z_pass)
-    _, upper = cumulative_bounds(np.full_like(upper_own, -np.inf), upper_own, usable)
-
-    lowers = []
-    for level in fail_levels:
-        z_fail = np.array([z(level, lk, planned, cfg, information) for lk in looks])
-        _, _, lower_own, _ = stats.log_ratio_interval(log_b, se_b, log_c, se_c, z_fail, np.inf)
-        lower, _ = cumulative_bounds(lower_own, np.full_like(lower_own, np.inf), usable)
-        lowers.append(float(lower[-1]))
-
-    current_b, current_c = b_looks[-1], c_looks[-1]
+    _, upper = cumulative_bounds(np.full(n_looks, -np.inf), upper_own, usable)
+    lowers = tuple(float(cumulative_bounds(row, np.full(n_looks, np.inf), usable)[0][-1]) for row in lower_own)
+    assert b_now is not None and c_now is not None
+    has_data = b_now.sorted_values.size > 0 and c_now.sorted_values.size > 0
+    point_b = b_now.band(q, 0.5) if b_now.sorted_values.size else None
+    point_c = c_now.band(q, 0.5) if c_now.sorted_values.size else None
+    log_estimate = stats.mover_log_ratio_bounds(point_b, point_c)[0] if has_data else math.nan
+    tie_widened = bool((point_b is not None and point_b.tie_widened) or (point_c is not None and point_c.tie_widened))
     return _QuantileRatioBounds(
         name=name,
         metric=metric,
-        baseline_ms=math.exp(current_b.log_quantile) * 1e3 if current_b else None,
-        canary_ms=math.exp(current_c.log_quantile) * 1e3 if current_c else None,
+        baseline_ms=math.exp(point_b.log_estimate) * 1e3 if point_b and math.isfinite(point_b.log_estimate) else None,
+        canary_ms=math.exp(point_c.log_estimate) * 1e3 if point_c and math.isfinite(point_c.log_estimate) else None,
         log_threshold=math.log(threshold),
         threshold=threshold,
-        log_estimate=float(log_ratio[-1]),
+        log_estimate=float(log_estimate),
         upper=float(upper[-1]),
-        lowers=tuple(lowers),
-        usable=bool(usable[-1]),
-        n_baseline=current_b.n if current_b else int(b_values.size),
-        n_canary=current_c.n if current_c else int(c_values.size),
+        lowers=lowers,
+        usable=bool(usable.any()),
+        n_baseline=b_now.n_ok,
+        n_canary=c_now.n_ok,
         looks_used=int(usable.sum()),
-        dropped=(int(np.size(getattr(baseline, field)) - b_values.size), int(np.size(getattr(canary, field)) - c_values.size)),
+        dropped=(b_series.dropped, c_series.dropped),
+        why_not=why_not,
+        errors=(b_now.n_errors, c_now.n_errors),
+        deff=(b_now.deff, c_now.deff),
+        blocks=(b_now.n_blocks, c_now.n_blocks),
+        block_kind=b_series.block_kind,
+        tie_widened=tie_widened,
     )
 
 
@@ -275,6 +480,29 @@ def _level_text(level: float) -> str:
     return f"{level:.4g}"
 
 
+def _deff_text(value: float) -> str:
+    return f"{value:.2f}" if math.isfinite(value) else "n/a"
+
+
+def _blocks_text(bounds: _QuantileRatioBounds) -> str:
+    """The detail's sentence on blocks, design effects, errors and ties (the numbers a reader checks)."""
+    text = (
+        f"Blocks: {bounds.block_kind}; design effect (block/iid variance) baseline {_deff_text(bounds.deff[0])}, "
+        f"canary {_deff_text(bounds.deff[1])} over {bounds.blocks[0]}/{bounds.blocks[1]} blocks; "
+        f"failed requests as +inf: baseline {bounds.errors[0]}, canary {bounds.errors[1]}."
+    )
+    if bounds.tie_widened:
+        text += " Ties: bounds widened to the neighbouring distinct values."
+    return text
+
+
+def _not_usable_reason(bounds: _QuantileRatioBounds, reason: str) -> str:
+    """The reason, or why the gate has no bounds; with the current look's gap when an earlier look had some."""
+    if not bounds.usable:
+        return bounds.why_not
+    return f"{reason} {bounds.why_not}" if bounds.why_not else reason
+
+
 def _ratio_gate_result(
     bounds: _QuantileRatioBounds,
     verdict: Verdict,
@@ -288,11 +516,13 @@ def _ratio_gate_result(
     estimate = math.exp(bounds.log_estimate) if math.isfinite(bounds.log_estimate) else None
     lower = math.exp(lower_log) if not math.isnan(lower_log) else float("nan")
     upper = math.exp(bounds.upper) if not math.isnan(bounds.upper) else float("nan")
-    interval = interval_or_none(lower, upper) if (math.isfinite(lower) and math.isfinite(upper) and lower <= upper) else None
+    bounded = math.isfinite(lower_log) and math.isfinite(bounds.upper)  # a bound at 0 or inf is no interval
+    interval = interval_or_none(lower, upper) if (bounded and lower <= upper) else None
     windows = f"intersected over {bounds.looks_used} look(s)" if bounds.looks_used > 1 else "this look"
     dropped = ""
     if any(bounds.dropped):
         dropped = f" Dropped non-finite/non-positive samples: baseline {bounds.dropped[0]}, canary {bounds.dropped[1]}."
+    dropped += f" {_blocks_text(bounds)}"
     return GateResult(
         name=bounds.name,
         metric=bounds.metric,
@@ -327,14 +557,12 @@ def _objective_result(baseline: LatencySamples, canary: LatencySamples, cfg: Gat
     lower_log = bounds.lowers[0]
     code = int(upper_is_good_verdict(lower_log, bounds.upper, bounds.log_threshold, bounds.usable, bounds.usable))
     verdict = CODE_TO_VERDICT[code]
-    if not bounds.usable:
-        reason = f"Too few TPOT samples ({bounds.n_baseline}/{bounds.n_canary} < {cfg.min_requests_per_arm} per arm)."
-    elif verdict is Verdict.PASS:
+    if verdict is Verdict.PASS:
         reason = f"TPOT p50 ratio upper bound {math.exp(bounds.upper):.4f} < {threshold:.4g}: improvement shown."
     elif verdict is Verdict.FAIL:
         reason = f"TPOT p50 ratio lower bound {math.exp(lower_log):.4f} > {threshold:.4g}: the required improvement is absent."
     else:
-        reason = f"TPOT p50 ratio interval straddles {threshold:.4g}."
+        reason = _not_usable_reason(bounds, f"TPOT p50 ratio interval straddles {threshold:.4g}.")
     return _ratio_gate_result(bounds, verdict, lower_log, alpha, reason, cfg, plan)
 
 
@@ -435,14 +663,12 @@ def _quantile_guardrail_result(
     verdict = Verdict.FAIL if failed else (Verdict.PASS if upper_ok else Verdict.INCONCLUSIVE)
     lower_log = bounds.lowers[step.level_index]
     label = bounds.metric.replace("_ratio", "").replace("_", " ").upper()
-    if not bounds.usable:
-        reason = f"Too few samples ({bounds.n_baseline}/{bounds.n_canary} < {cfg.min_requests_per_arm} per arm)."
-    elif failed:
+    if failed:
         reason = f"{label} ratio lower bound {math.exp(lower_log):.4f} > {bounds.threshold:g}."
     elif upper_ok:
         reason = f"{label} ratio upper bound {math.exp(bounds.upper):.4f} < {bounds.threshold:g}."
     else:
-        reason = f"{label} ratio interval straddles {bounds.threshold:g}."
+        reason = _not_usable_reason(bounds, f"{label} ratio interval straddles {bounds.threshold:g}.")
     return _ratio_gate_result(bounds, verdict, lower_log, step.level, reason + holm, cfg, plan)
 
 
@@ -477,10 +703,12 @@ def judge_latency(
     p50 canary/baseline must be <= 1 - tpot_p50_min_improvement),
     ``ttft_p95_guard``, ``e2e_p95_guard`` (when configured) and
     ``error_rate_guard``. Ratios are judged on repeated confidence bounds
-    (order-statistic SEs, alpha spending over ``max_looks``); the guardrails'
-    rollback side is Holm-adjusted across the enabled guardrails; the promote
-    side of each gate is at alpha (intersection-union). Fewer than
-    ``min_requests_per_arm`` samples in an arm: inconclusive.
+    (block-robust order-statistic bands combined by MOVER, failed requests as
+    +inf, alpha spending over ``max_looks``); the guardrails' rollback side is
+    Holm-adjusted across the enabled guardrails; the promote side of each gate
+    is at alpha (intersection-union). Fewer than ``min_requests_per_arm``
+    samples or 2 blocks in an arm, a band past the sample, or a zero-width
+    interval: inconclusive.
 
     ``information``, when given, holds the information fraction (requests so
     far / requests planned) of every look 1..look: alpha is then spent at

@@ -31,21 +31,36 @@ Repeated looks -- group-sequential boundaries with alpha spending.
     each one-sided decision (promote side, rollback side) errs with
     probability <= alpha over all looks together.
 
-Latency quantile ratios -- distribution-free order-statistic standard errors.
+Latency quantile ratios -- exact order-statistic bounds, widened for blocks.
     Latency is heavy-tailed (queueing, preemption stalls), so no parametric
-    model. The ratio canary/baseline of the q-quantile is judged on the log
-    scale, log Q_c - log Q_b, with the standard error of each log quantile
-    read off the order statistics around it: the distribution-free interval
-    (Y_(l), Y_(u)) for the q-quantile has exact binomial coverage gamma, and
-    SE = (log Y_(u) - log Y_(l)) / (2 z_{(1+gamma)/2}). This is the
-    McKean & Schrader (1984) studentization of the median ("A comparison of
-    methods for studentizing the sample median", Comm. Stat. B 13:751-773)
-    extended to any quantile, and the log-ratio-of-medians interval of
-    Price & Bonett (2002), "Distribution-free confidence intervals for
-    difference and ratio of medians", J. Stat. Comput. Simul. 72:119-124.
-    It needs no density estimate and no bootstrap (cheap enough to simulate
-    tens of thousands of sequential trials), and it is invariant to any
-    monotone transform of the latencies.
+    model. Each arm's q-quantile gets one-sided distribution-free bounds at
+    the look's level a = 1 - Phi(c_k): the order statistics Y_(l), Y_(u) with
+    P(Y_(u) >= xi_q) = P(Binomial(n, q) <= u - 1) >= 1 - a and likewise for l,
+    exact whatever the latency distribution (``quantile_band``). A quantile
+    is judged only when both ranks lie inside the sample (``samples_needed``
+    says when); nothing is clipped at the sample maximum.
+    Requests are not independent: a stall or a load level hits a run of
+    consecutive requests. The unit of independence is a block (a look, or a
+    run of consecutive requests); the variance of the share of samples below
+    the quantile is estimated cluster-robustly from per-block sums of the
+    centred indicators (the quantile's influence function up to the density,
+    which cancels), ``design_effect`` = that variance over the binomial one.
+    The rank band then becomes q -/+ t_{G-1, a} sqrt(deff q (1 - q) / n)
+    (Woodruff 1952, "Confidence intervals for medians and other position
+    measures", JASA 47:635-646; the survey-sampling interval for quantiles
+    under clustering, with t on G - 1 degrees of freedom), and the band used
+    is the wider of it and the exact one, so never narrower than iid.
+    Ties from a measurement tick move each bound to the neighbouring distinct
+    value (the latent latency of a tied value lies anywhere in its tick).
+    The two arms' bounds are combined on the log scale by MOVER (Zou & Donner
+    2008, "Construction of confidence limits about effect measures: a
+    general approach", Stat. Med. 27:1693-1702; Newcombe's interval below is
+    the same construction for proportions): the ratio's upper bound is
+    log Q_c - log Q_b + sqrt((U_c - log Q_c)^2 + (log Q_b - L_b)^2), exact
+    per arm, asymmetric where the data are.
+    ``log_quantile_with_se`` (the older symmetric, Wald-type SE read off a
+    +-2 sigma band, McKean & Schrader 1984) stays for the vectorised copy in
+    ``calibrate``; the judge no longer uses it.
 
 Paired accuracy -- exact McNemar and the Tango score interval.
     Both arms answer the same items, so only discordant pairs carry
@@ -84,6 +99,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
+from dataclasses import dataclass
 from functools import lru_cache
 from typing import Literal
 
@@ -98,6 +114,14 @@ __all__ = [
     "boundaries_at_information",
     "log_quantile_with_se",
     "log_ratio_interval",
+    "QuantileBand",
+    "exact_rank_band",
+    "block_rank_band",
+    "samples_needed",
+    "design_effect",
+    "welch_df",
+    "quantile_band",
+    "mover_log_ratio_bounds",
     "tango_z",
     "tango_interval",
     "mcnemar_exact_pvalue",
@@ -288,11 +312,17 @@ def _order_statistic_plan(n: int, q: float, band_z: float) -> tuple[int, float, 
 def log_quantile_with_se(
     sorted_samples: np.ndarray, q: float, band_z: float = ORDER_STATISTIC_BAND_Z
 ) -> tuple[np.ndarray, np.ndarray]:
-    """Log of the q-quantile and its distribution-free standard error.
+    """Log of the q-quantile and a Wald-type standard error read off an order-statistic band.
 
     ``sorted_samples``: positive values sorted along the last axis (any leading
     batch shape, the last axis is one arm's samples, at least 2).
     Returns (log quantile, SE of log quantile), each of the batch shape.
+
+    Kept for ``calibrate``'s vectorised copy only: the band is clipped at the
+    sample's ends (below n ~ 190 for a p95) and a symmetric SE is read off an
+    asymmetric band, so intervals built from it are not the exact binomial
+    ones; ties make the SE zero; and it assumes independent requests. The
+    judge uses ``quantile_band`` and ``mover_log_ratio_bounds`` instead.
     """
     x = np.asarray(sorted_samples, dtype=float)
     n = x.shape[-1]
@@ -328,6 +358,219 @@ def log_ratio_interval(
         lower = log_ratio - np.where(np.isinf(z_lower), np.inf, np.asarray(z_lower) * se)
         upper = log_ratio + np.where(np.isinf(z_upper), np.inf, np.asarray(z_upper) * se)
     return log_ratio, se, lower, upper
+
+
+@lru_cache(maxsize=8192)
+def exact_rank_band(n: int, q: float, level: float) -> tuple[int, int]:
+    """1-based ranks (l, u) of the exact one-sided order-statistic bounds of the q-quantile.
+
+    P(Y_(l) <= xi_q) >= 1 - level and P(Y_(u) >= xi_q) >= 1 - level for any
+    continuous distribution, because the count of samples below xi_q is
+    Binomial(n, q). A rank outside 1..n (l < 1 or u > n) means that bound
+    does not exist in a sample of n: ``samples_needed`` says how many it takes.
+    """
+    if level <= 0.0:
+        return 0, n + 1
+    u = int(stats.binom.ppf(1.0 - level, n, q)) + 1
+    # ppf(level) is the smallest k with cdf(k) >= level, so cdf(l - 1) < level.
+    l = max(int(stats.binom.ppf(level, n, q)), 0)
+    return l, u
+
+
+def welch_df(variance_a: float, df_a: float, variance_b: float, df_b: float) -> float:
+    """Welch-Satterthwaite degrees of freedom of the sum of two independent variance estimates.
+
+    Between min(df_a, df_b) and df_a + df_b; a non-finite variance leaves the
+    other arm no say (the df of the non-finite one).
+    """
+    if not (math.isfinite(variance_a) and math.isfinite(variance_b)):
+        return float(df_a if not math.isfinite(variance_a) else df_b)
+    denominator = variance_a**2 / df_a + variance_b**2 / df_b
+    if denominator <= 0.0:
+        return float(min(df_a, df_b))
+    return float((variance_a + variance_b) ** 2 / denominator)
+
+
+@lru_cache(maxsize=4096)
+def _t_upper_quantile(level: float, df: float) -> float:
+    return -float(special.stdtrit(df, level))  # by symmetry, exact for tiny levels
+
+
+def block_rank_band(
+    n: int, q: float, level: float, deff: float, n_blocks: int, df: float | None = None
+) -> tuple[int, int]:
+    """Ranks (l, u) of the block-robust band: the wider of the exact band and Woodruff's.
+
+    Woodruff's band is n q -/+ t_df sqrt(deff n q (1 - q)) with the one-sided
+    t quantile at ``level``; ``df`` defaults to G - 1 = ``n_blocks`` - 1 (the
+    cluster variance is estimated from G block sums; a ratio of two arms may
+    pass the Welch-Satterthwaite df of the pair, `welch_df`). Taking the
+    wider of it and the exact binomial band keeps it never narrower than iid.
+    Fewer than 2 blocks: no band (0, n + 1).
+    """
+    l_exact, u_exact = exact_rank_band(n, q, level)
+    if n_blocks < 2 or not math.isfinite(deff) or level <= 0.0:
+        return 0, n + 1
+    df = float(n_blocks - 1) if df is None else max(float(df), 1.0)
+    half = _t_upper_quantile(level, round(df, 2)) * math.sqrt(max(deff, 0.0) * n * q * (1.0 - q))
+    l_block = int(math.floor(n * q - half))
+    u_block = int(math.ceil(n * q + half)) + 1
+    return min(l_exact, l_block), max(u_exact, u_block)
+
+
+@lru_cache(maxsize=4096)
+def samples_needed(q: float, level: float) -> int:
+    """Smallest n whose exact band at ``level`` lies inside the sample: q^n < level and (1 - q)^n < level."""
+    if not 0.0 < level < 1.0:
+        return 0 if level >= 1.0 else 10**9
+    n = max(1, int(math.ceil(math.log(level) / math.log(max(q, 1.0 - q)))) - 1)
+    while True:
+        l, u = exact_rank_band(n, q, level)
+        if l >= 1 and u <= n:
+            return n
+        n += 1
+
+
+def design_effect(values: np.ndarray, blocks: np.ndarray, q: float) -> float:
+    """Variance of the share of samples below the q-quantile, block-robust over binomial (iid).
+
+    ``values``: one arm's samples (+inf allowed: failed requests), any order;
+    ``blocks``: the block (look, or run of consecutive requests) of each.
+    The indicator 1{y <= Q} (a tied group at Q counted by the share of it
+    below rank n q, so ties do not leak the order of arrival into it) is the
+    quantile's influence function up to the density, which cancels in the
+    ratio. Cluster-robust sum over blocks with the G / (G - 1) small-sample
+    factor. 1 for independent requests on average; a stall run or a per-block
+    latency level makes it larger. NaN with fewer than 2 blocks.
+    """
+    y = np.asarray(values, dtype=float).ravel()
+    b = np.asarray(blocks).ravel()
+    if y.size != b.size:
+        raise ValueError(f"one block id per value needed: {b.size} for {y.size}")
+    n = y.size
+    if n == 0 or not 0.0 < q < 1.0:
+        return float("nan")
+    block_index = np.unique(b, return_inverse=True)[1]
+    n_blocks = int(block_index.max()) + 1
+    if n_blocks < 2:
+        return float("nan")
+    order = np.argsort(y, kind="stable")
+    _, first, counts = np.unique(y[order], return_index=True, return_counts=True)
+    below_share = np.clip((n * q - first) / counts, 0.0, 1.0)
+    indicator = np.empty(n)
+    indicator[order] = np.repeat(below_share, counts)
+    block_sums = np.bincount(block_index, weights=indicator - q, minlength=n_blocks)
+    variance_blocks = n_blocks / (n_blocks - 1) * float(np.sum(block_sums**2))
+    return variance_blocks / (n * q * (1.0 - q))
+
+
+@dataclass(frozen=True)
+class QuantileBand:
+    """One arm's q-quantile with its one-sided bounds at one level (log scale).
+
+    ``log_lower`` = -inf / ``log_upper`` = +inf where that bound does not
+    exist (its rank lies outside the sample, or on a failed request's +inf).
+    ``in_sample``: both ranks inside 1..n. ``tie_widened``: the bounds moved
+    to the neighbouring distinct values because the sample has ties.
+    """
+
+    log_estimate: float
+    log_lower: float
+    log_upper: float
+    lower_rank: int
+    upper_rank: int
+    n: int
+    in_sample: bool
+    tie_widened: bool
+
+    @property
+    def degenerate(self) -> bool:
+        """A zero-width band proves nothing (every sample in it tied, no resolution to widen by)."""
+        return not self.log_lower < self.log_upper
+
+
+def _log(value: float) -> float:
+    if value <= 0.0:
+        return -math.inf
+    return math.log(value)
+
+
+def quantile_band(
+    sorted_values: np.ndarray,
+    q: float,
+    level: float,
+    deff: float = 1.0,
+    n_blocks: int | None = None,
+    df: float | None = None,
+) -> QuantileBand:
+    """The q-quantile of one arm and its one-sided bounds at ``level``, from its sorted samples.
+
+    ``sorted_values``: positive samples in ascending order, failed requests as
+    +inf at the end (they count as the slowest, so dropping a slow tail as
+    errors cannot lower a quantile). ``n_blocks`` None: independent requests
+    (the exact band); else the block-robust band with design effect ``deff``
+    (t on ``df`` degrees of freedom, default ``n_blocks`` - 1).
+    With ties (quantised latencies) a bound moves to the next distinct value
+    outwards (past the last one: one resolution step, the smallest gap), since
+    the latent latency of a tied value may lie anywhere in its tick.
+    """
+    y = np.asarray(sorted_values, dtype=float)
+    n = int(y.size)
+    if n < 1:
+        raise ValueError("need at least one sample for a quantile band")
+    if not 0.0 < q < 1.0:
+        raise ValueError(f"q must be in (0, 1), got {q}")
+    position = (n - 1) * q  # Hyndman & Fan type 7 (numpy's default) point estimate
+    lo = int(math.floor(position))
+    hi = min(lo + 1, n - 1)
+    if math.isinf(y[hi]):
+        estimate = y[hi] if position > lo or math.isinf(y[lo]) else y[lo]
+    else:
+        estimate = y[lo] + (position - lo) * (y[hi] - y[lo])
+    if n_blocks is None:
+        l, u = exact_rank_band(n, float(q), float(level))
+    else:
+        l, u = block_rank_band(n, float(q), float(level), float(deff), int(n_blocks), df)
+    lower = float(y[l - 1]) if 1 <= l <= n else 0.0
+    upper = float(y[u - 1]) if 1 <= u <= n else math.inf
+    finite = y[np.isfinite(y)]
+    distinct = np.unique(finite)
+    tied = distinct.size < finite.size
+    if tied:
+        resolution = float(np.min(np.diff(distinct))) if distinct.size > 1 else math.inf
+        if lower > 0.0:
+            i = int(np.searchsorted(distinct, lower, side="left")) - 1
+            lower = float(distinct[i]) if i >= 0 else max(lower - resolution, 0.0)
+        if math.isfinite(upper):
+            i = int(np.searchsorted(distinct, upper, side="right"))
+            upper = float(distinct[i]) if i < distinct.size else upper + resolution
+    return QuantileBand(
+        log_estimate=_log(float(estimate)),
+        log_lower=_log(lower),
+        log_upper=_log(upper),
+        lower_rank=int(l),
+        upper_rank=int(u),
+        n=n,
+        in_sample=bool(l >= 1 and u <= n),
+        tie_widened=bool(tied),
+    )
+
+
+def mover_log_ratio_bounds(baseline: QuantileBand, canary: QuantileBand) -> tuple[float, float, float]:
+    """(log ratio, lower, upper) of canary / baseline from the arms' bounds at one level (MOVER).
+
+    upper = r + sqrt((U_c - c)^2 + (b - L_b)^2), lower = r - sqrt((c - L_c)^2 + (U_b - b)^2),
+    r = c - b: each arm's own (asymmetric, exact) distance to its bound, as
+    Newcombe's interval combines Wilson limits. A side whose ingredients are
+    not all finite is unbounded. Swapping the arms mirrors the bounds exactly.
+    """
+    b, c = baseline.log_estimate, canary.log_estimate
+    ratio = c - b if (math.isfinite(b) or math.isfinite(c)) else math.nan
+    up_parts = (canary.log_upper, c, b, baseline.log_lower)
+    low_parts = (canary.log_lower, c, b, baseline.log_upper)
+    upper = ratio + math.hypot(canary.log_upper - c, b - baseline.log_lower) if all(map(math.isfinite, up_parts)) else math.inf
+    lower = ratio - math.hypot(c - canary.log_lower, baseline.log_upper - b) if all(map(math.isfinite, low_parts)) else -math.inf
+    return ratio, lower, upper
 
 
 # ---------------------------------------------------------------------------
