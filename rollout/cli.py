@@ -23,6 +23,7 @@ if TYPE_CHECKING:
 EXIT_USAGE = 2
 ROUTER_HELP = "serve the router alone (no Ray) in front of servers that already run"
 CALIBRATE_HELP = "simulate A/A and A/B trials through the gates; print error rates and power"
+JUDGE_HELP = "re-judge runs' request records (records.jsonl or run dirs) with the controller's look logic"
 
 MAKE_MODEL_EPILOG = """\
 Measured with the default size (24 layers, hidden 1024) on vLLM 0.32 CPU, 2 cores,
@@ -380,6 +381,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     # parsed by their own modules (see main): listed here for --help
     sub.add_parser("calibrate", help=CALIBRATE_HELP, add_help=False)
+    sub.add_parser("judge", help=JUDGE_HELP, add_help=False)
 
     hist = sub.add_parser("history", help="one line per run: id, model, arms, decision, when, why")
     hist.add_argument("--runs-dir", default="runs")
@@ -413,6 +415,10 @@ def main(argv: list[str] | None = None) -> int:
         from rollout.judge import calibrate
 
         return calibrate.main(argv[1:])
+    if argv[:1] == ["judge"]:
+        from rollout import rejudge
+
+        return rejudge.main(argv[1:])
     parser = build_parser()
     args = parser.parse_args(argv)
     return args.func(args)

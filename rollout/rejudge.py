@@ -1,0 +1,325 @@
+"""`mtp-canary judge`: re-judge past runs' request records with the controller's own look logic.
+
+    mtp-canary judge RECORDS.jsonl|RUN_DIR... [--config RUN.yaml] [--json]
+
+Each input is a records file in the format a run writes (one RequestRecord JSON per
+line, ``RUNS/<id>/experiment/records.jsonl``) or a run directory (its
+experiment/records.jsonl and decision.json). The records are replayed look by look
+through ``rollout.judge.experiment_looks.replay_looks`` (the functions the
+controller's experiment loop calls: the look boundary rule, the information
+fractions, latency + acceptance + sample-ratio at every look, the stop rule), in
+the order the file holds them, which is the order the controller read them.
+
+What the replay knows, and from where:
+
+* gates (thresholds, alpha, gates.enabled): ``--config`` (a full run config), else
+  the run directory's decision.json ``gates_config``, else the defaults;
+* the look plan: ``--config``'s experiment section, else decision.json's experiment
+  summary (requests_per_look, requests_per_arm), else the defaults. When the plan is
+  the run's own, the looks fall exactly where the run's fell (its per-look counts);
+  otherwise where the boundary rule puts them on the records' clock;
+* acceptance: decision.json's canary spec-decode counters (the phase's final ones, at
+  every look); a bare records file has none, so acceptance is INCONCLUSIVE unless
+  gates.enabled leaves acceptance_length_floor out;
+* accuracy: eval outcomes are not request records; a run directory's stored accuracy
+  gates are carried over as the run judged them. Otherwise they are enabled but not
+  judged, so the input cannot PROMOTE unless gates.enabled leaves them out.
+
+Output: one verdict object per input (``--json``: one JSON object per line with
+input, decision, reason, gates, looks, stopped_by, notes), else a table. Exit code
+as ``run``: 0 every input promotes, 3 any rolls back, 4 otherwise; a bad input (a
+missing file, a line that is not a record: named by its number) is one line on
+stderr and exit 2.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from pydantic import ValidationError
+
+from cluster.arms import CANARY
+from cluster.metrics import SpecDecodeStats
+from loadtests.records import RequestRecord
+from rollout.judge.config import GatesConfig
+from rollout.judge.experiment_looks import LookPlan, Replay, replay_looks
+from rollout.judge.names import GATE_PHASES
+from rollout.judge.verdicts import Decision, GateResult, Verdict, decide, is_enabled, missing_gates
+from rollout.result import EXIT_CODES
+
+__all__ = ["JudgeInput", "JudgeOutcome", "load_input", "judge_input", "main"]
+
+EXIT_BAD_INPUT = 2
+RECORDS = Path("experiment") / "records.jsonl"
+DECISION = "decision.json"
+
+
+class BadInput(ValueError):
+    """An input that cannot be judged; the message is one line."""
+
+
+@dataclass
+class JudgeInput:
+    """One input, read and resolved: the records and everything the replay needs to judge them."""
+
+    label: str
+    records: list[RequestRecord]
+    gates: GatesConfig
+    plan: LookPlan
+    canary_spec: SpecDecodeStats | None
+    speculative_canary: bool
+    stored_counts: list[dict[str, int]] | None = None
+    carried_gates: list[GateResult] = field(default_factory=list)  # the run's accuracy gates
+    notes: list[str] = field(default_factory=list)
+
+
+@dataclass
+class JudgeOutcome:
+    label: str
+    decision: Decision
+    reason: str
+    gates: list[GateResult]
+    replay: Replay
+    notes: list[str]
+
+    def document(self) -> dict[str, Any]:
+        return {
+            "input": self.label,
+            "decision": self.decision.value,
+            "reason": self.reason,
+            "gates": [g.model_dump(mode="json") for g in self.gates],
+            "looks": [
+                {"look": k.look, "information": k.information, "requests": k.requests,
+                 "verdicts": {g.name: g.verdict.value for g in k.gates}}
+                for k in self.replay.looks
+            ],
+            "stopped_by": self.replay.stopped_by,
+            "judged_records": self.replay.judged_records,
+            "unjudged_records": self.replay.unjudged_records,
+            "notes": self.notes,
+        }
+
+
+# -- reading ------------------------------------------------------------------------------
+def _one_line(text: str, limit: int = 300) -> str:
+    line = " ".join(str(text).split())
+    return line if len(line) <= limit else line[: limit - 3] + "..."
+
+
+def read_records(path: Path) -> list[RequestRecord]:
+    """Every record of a JSONL file; BadInput naming the file and line of the first bad one."""
+    try:
+        text = path.read_text(encoding="utf-8")
+    except FileNotFoundError:
+        raise BadInput(f"{path}: no such records file") from None
+    except (OSError, UnicodeDecodeError) as exc:
+        raise BadInput(_one_line(f"{path}: cannot read: {exc}")) from None
+    records = []
+    for number, line in enumerate(text.splitlines(), start=1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as exc:
+            raise BadInput(f"{path}:{number}: not JSON ({exc.msg})") from None
+        try:
+            records.append(RequestRecord.model_validate(row))
+        except ValidationError as exc:
+            first = exc.errors()[0]
+            where = ".".join(str(p) for p in first.get("loc", ())) or "record"
+            raise BadInput(_one_line(f"{path}:{number}: not a request record: {where}: {first.get('msg')}")) from None
+    return records
+
+
+def _read_decision(path: Path) -> dict[str, Any]:
+    try:
+        doc = json.loads(path.read_text(encoding="utf-8"))
+    except FileNotFoundError:
+        raise BadInput(f"{path}: no such file (a run directory holds decision.json)") from None
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        raise BadInput(_one_line(f"{path}: not a decision document: {exc}")) from None
+    if not isinstance(doc, dict):
+        raise BadInput(f"{path}: not a decision document (not a JSON object)")
+    return doc
+
+
+def _spec_of(doc: dict[str, Any]) -> SpecDecodeStats | None:
+    """The canary's spec-decode counters from decision.json's spec_decode (rates back to counts)."""
+    canary = (doc.get("spec_decode") or {}).get(CANARY)
+    if not isinstance(canary, dict) or canary.get("drafts") is None:
+        return None
+    drafts = float(canary["drafts"])
+    per_position = tuple(float(rate) * drafts for rate in canary.get("per_position") or ())
+    return SpecDecodeStats(drafts=drafts, draft_tokens=float(canary.get("draft_tokens") or 0.0),
+                           accepted_tokens=float(canary.get("accepted_tokens") or 0.0), accepted_per_position=per_position)
+
+
+def _speculative_of(doc: dict[str, Any]) -> bool:
+    engine = (((doc.get("arms") or {}).get(CANARY) or {}).get("engine") or {})
+    spec = engine.get("speculative_config")
+    return isinstance(spec, dict) and int(spec.get("num_speculative_tokens", 1) or 0) > 0
+
+
+def _stored_plan(doc: dict[str, Any], default: LookPlan) -> LookPlan:
+    exp = doc.get("experiment") or {}
+    if not exp.get("requests_per_look") or not exp.get("requests_per_arm_planned"):
+        return default
+    return LookPlan(int(exp["requests_per_look"]), int(exp["requests_per_arm_planned"]), default.min_interval_s,
+                    default.min_looks, math.inf)
+
+
+def load_input(arg: str, run_config: Any | None) -> JudgeInput:
+    """Read one input (records file or run dir) and resolve its gates, plan and acceptance evidence.
+
+    ``run_config``: a loaded rollout.config.RolloutConfig (``--config``) or None.
+    """
+    from rollout.config import ExperimentConfig
+
+    path = Path(arg)
+    if not path.exists():
+        raise BadInput(f"{arg}: no such file or run directory")
+    doc: dict[str, Any] | None = None
+    if path.is_dir():
+        doc = _read_decision(path / DECISION)
+        records = read_records(path / RECORDS)
+    else:
+        records = read_records(path)
+    notes: list[str] = []
+    default_plan = LookPlan.of(ExperimentConfig())
+    if run_config is not None:
+        gates, plan = run_config.gates, LookPlan.of(run_config.experiment)
+        speculative = run_config.canary.engine.num_speculative_tokens > 0
+    elif doc is not None:
+        try:
+            gates = GatesConfig(**(doc.get("gates_config") or {}))
+        except (ValidationError, TypeError) as exc:
+            raise BadInput(_one_line(f"{path / DECISION}: gates_config: {exc}")) from None
+        plan, speculative = _stored_plan(doc, default_plan), _speculative_of(doc)
+    else:
+        gates, plan, speculative = GatesConfig(), default_plan, False
+        notes.append("no --config and no decision.json: default gates and look plan")
+    inp = JudgeInput(label=arg, records=records, gates=gates, plan=plan, canary_spec=None,
+                     speculative_canary=speculative, notes=notes)
+    if doc is None:
+        if is_enabled("acceptance_length_floor", gates):
+            notes.append("a bare records file has no spec-decode counters: acceptance_length_floor is inconclusive "
+                         "(judge the run directory, or leave it out of gates.enabled)")
+        return inp
+    _from_run(inp, doc, path)
+    return inp
+
+
+def _from_run(inp: JudgeInput, doc: dict[str, Any], path: Path) -> None:
+    """What a run directory adds: acceptance counters, the run's look boundaries, its accuracy gates."""
+    inp.canary_spec = _spec_of(doc)
+    if inp.canary_spec is None:
+        inp.notes.append(f"{path / DECISION} holds no canary spec_decode: acceptance is unknown")
+    exp = doc.get("experiment") or {}
+    looks = exp.get("looks") or []
+    same_plan = (exp.get("requests_per_look"), exp.get("requests_per_arm_planned")) == (
+        inp.plan.requests_per_look, inp.plan.requests_per_arm)
+    if looks and same_plan:
+        inp.stored_counts = [dict(k.get("requests") or {}) for k in looks]
+    elif looks:
+        inp.notes.append("the look plan differs from the run's: looks by the boundary rule on the records' clock")
+    for stored in doc.get("gates") or []:
+        if isinstance(stored, dict) and GATE_PHASES.get(stored.get("name")) == "accuracy":
+            try:
+                gate = GateResult.model_validate(stored)
+            except ValidationError as exc:
+                raise BadInput(_one_line(f"{path / DECISION}: gate {stored.get('name')}: {exc}")) from None
+            inp.carried_gates.append(gate.model_copy(update={"detail": "as the run judged it (eval outcomes are not "
+                                                                     "request records): " + gate.detail}))
+
+
+# -- judging ---------------------------------------------------------------------------------
+def judge_input(inp: JudgeInput) -> JudgeOutcome:
+    """Replay the looks and decide over the replay's gates and the carried accuracy gates."""
+    try:
+        replay = replay_looks(inp.records, inp.plan, inp.gates, inp.canary_spec, inp.speculative_canary,
+                              inp.stored_counts)
+    except ValueError as exc:  # stored look counts the records do not hold
+        raise BadInput(_one_line(f"{inp.label}: {exc}")) from None
+    gates = [*inp.carried_gates, *replay.gates]
+    decision = decide(gates, inp.gates)
+    considered = [g for g in gates if is_enabled(g.name, inp.gates)]
+    if decision is Decision.PROMOTE:
+        reason = "every gate passed: " + ", ".join(g.name for g in considered)
+    elif decision is Decision.ROLLBACK:
+        reason = "failed: " + ", ".join(g.name for g in considered if g.verdict is Verdict.FAIL)
+    else:
+        parts = []
+        if not replay.looks:
+            parts.append(f"no look: {len(inp.records)} records never gave every arm "
+                         f"{inp.plan.requests_per_look} completed requests")
+        open_ = [g.name for g in considered if g.verdict is Verdict.INCONCLUSIVE]
+        if open_:
+            parts.append("not enough evidence: " + ", ".join(open_))
+        missing = missing_gates(gates, inp.gates)
+        if missing:
+            parts.append("enabled but not judged from this input: " + ", ".join(missing)
+                         + " (list only the gates to judge in gates.enabled)")
+        reason = "; ".join(parts) or "no gate was judged"
+    return JudgeOutcome(inp.label, decision, reason, gates, replay, inp.notes)
+
+
+# -- output ------------------------------------------------------------------------------------
+def _number(value: float | None) -> str:
+    return "-" if value is None else f"{value:.4g}"
+
+
+def table(outcome: JudgeOutcome) -> str:
+    r = outcome.replay
+    lines = [
+        f"{outcome.label}: {outcome.decision.value.upper()} ({outcome.reason})",
+        f"  {len(r.looks)} look(s), stopped by {r.stopped_by}; {r.judged_records} records judged, "
+        f"{r.unjudged_records} after the last look",
+        f"  {'gate':<26} {'verdict':<13} {'estimate':>9} {'interval':>21} {'threshold':>9}",
+    ]
+    for g in outcome.gates:
+        interval = "-" if g.interval is None else f"[{g.interval[0]:.4g}, {g.interval[1]:.4g}]"
+        lines.append(f"  {g.name:<26} {g.verdict.value:<13} {_number(g.estimate):>9} {interval:>21} {_number(g.threshold):>9}")
+    lines += [f"  note: {note}" for note in outcome.notes]
+    return "\n".join(lines)
+
+
+def exit_code(decisions: Sequence[Decision]) -> int:
+    """As `run`: 0 when every input promotes, 3 when any rolls back, else 4."""
+    if any(d is Decision.ROLLBACK for d in decisions):
+        return EXIT_CODES[Decision.ROLLBACK]
+    if decisions and all(d is Decision.PROMOTE for d in decisions):
+        return EXIT_CODES[Decision.PROMOTE]
+    return EXIT_CODES[Decision.INCONCLUSIVE]
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """``mtp-canary judge RECORDS.jsonl|RUN_DIR... [--config RUN.yaml] [--json]``."""
+    parser = argparse.ArgumentParser(prog="mtp-canary judge", description=__doc__.splitlines()[0])
+    parser.add_argument("inputs", nargs="+", metavar="RECORDS.jsonl|RUN_DIR")
+    parser.add_argument("--config", help="a run config whose gates and look plan to judge with "
+                        "(default: the run directory's decision.json gates_config, else the defaults)")
+    parser.add_argument("--json", action="store_true", help="one JSON object per input, one per line")
+    args = parser.parse_args(list(sys.argv[1:] if argv is None else argv))
+    try:
+        run_config = None
+        if args.config is not None:
+            from rollout.config import ConfigError, load_config
+
+            try:
+                run_config = load_config(args.config)
+            except ConfigError as exc:
+                raise BadInput(_one_line(str(exc))) from None
+        outcomes = [judge_input(load_input(arg, run_config)) for arg in args.inputs]
+    except BadInput as exc:
+        print(f"mtp-canary judge: {exc}", file=sys.stderr)
+        return EXIT_BAD_INPUT
+    for outcome in outcomes:
+        print(json.dumps(outcome.document()) if args.json else table(outcome))
+    return exit_code([o.decision for o in outcomes])

@@ -1,0 +1,156 @@
+"""`mtp-canary judge` (rollout/rejudge.py): re-judging request records with the controller's look logic.
+
+tests/data/rejudge/promote is a real run (configs/local-cpu.yaml at a CPU quota of 0.5): its
+records in the run's order (only the fields the judge reads) and its decision.json cut to what
+the judge reads. The other inputs are made here, with the effect known.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import numpy as np
+import pytest
+import yaml
+
+from rollout import cli, rejudge
+
+REPO = Path(__file__).resolve().parents[1]
+REAL_RUN = REPO / "tests" / "data" / "rejudge" / "promote"
+
+
+def judged(capsys, *argv: str) -> tuple[int, list[dict]]:
+    code = rejudge.main([*argv, "--json"])
+    out = capsys.readouterr().out
+    return code, [json.loads(line) for line in out.splitlines() if line.strip()]
+
+
+def run_config(tmp_path: Path, enabled: list[str] | None) -> Path:
+    """configs/local-cpu.yaml (40 requests per look, 200 per arm) with only `enabled` gates."""
+    data = yaml.safe_load((REPO / "configs" / "local-cpu.yaml").read_text())
+    data["gates"]["enabled"] = enabled
+    path = tmp_path / "run.yaml"
+    path.write_text(yaml.safe_dump(data))
+    return path
+
+
+def write_records(path: Path, tpot_by_arm: dict[str, np.ndarray], errors: dict[str, np.ndarray] | None = None,
+                  ttft_by_arm: dict[str, np.ndarray] | None = None) -> Path:
+    """Alternating arms (as the pinning sends them), one pair every 0.5 s, 32 output tokens each."""
+    errors, ttft_by_arm = errors or {}, ttft_by_arm or {}
+    lines, n = [], len(next(iter(tpot_by_arm.values())))
+    for i in range(n):
+        for arm, tpot in tpot_by_arm.items():
+            failed = bool(errors.get(arm, np.zeros(n, bool))[i])
+            ttft = float(ttft_by_arm[arm][i]) if arm in ttft_by_arm else 0.05
+            row = {"request_id": f"{arm}-{i}", "tag": "experiment", "worker": "w", "arm": arm, "pinned_arm": arm,
+                   "sent_at": 1000.0 + 0.5 * i, "e2e_s": ttft + float(tpot[i]) * 31, "ok": not failed,
+                   "status": 500 if failed else 200}
+            if not failed:
+                row.update(ttft_s=ttft, output_tokens=32)
+            lines.append(json.dumps(row))
+    path.write_text("\n".join(lines) + "\n")
+    return path
+
+
+def test_a_replay_of_a_real_run_gives_the_verdicts_it_stored(capsys):
+    """The replay (stored look boundaries, the run's gates_config, its spec-decode counters) reaches the
+    run's decision, the same verdicts at every look, and the same numbers for the final gates."""
+    stored = json.loads((REAL_RUN / "decision.json").read_text())
+    code, [out] = judged(capsys, str(REAL_RUN))
+    assert out["decision"] == stored["decision"] == "promote" and code == 0
+    assert len(out["looks"]) == len(stored["experiment"]["looks"])
+    for replayed, original in zip(out["looks"], stored["experiment"]["looks"]):
+        assert replayed["requests"] == original["requests"]
+        assert replayed["information"] == pytest.approx(original["information"], abs=1e-4)
+        assert {k: replayed["verdicts"][k] for k in original["verdicts"]} == original["verdicts"]
+    final = {g["name"]: g for g in out["gates"]}
+    for gate in stored["gates"]:
+        mine = final[gate["name"]]
+        assert mine["verdict"] == gate["verdict"]
+        if gate["name"] in ("tpot_p50_improvement", "ttft_p95_guard", "error_rate_guard"):
+            assert mine["estimate"] == pytest.approx(gate["estimate"], rel=1e-9)
+            assert mine["interval"] == pytest.approx(gate["interval"], rel=1e-9)
+    assert final["sample_ratio"]["verdict"] == "pass"  # a gate the run predates: judged all the same
+
+
+def test_ties_do_not_promote(tmp_path, capsys):
+    """Latencies that are all equal between the arms show no improvement: never PROMOTE. The control,
+    the same config with a canary 30% faster, promotes (so the ties, not the config, decide)."""
+    config = run_config(tmp_path, ["tpot_p50_improvement", "sample_ratio"])
+    tie = np.full(200, 0.03)
+    records = write_records(tmp_path / "ties.jsonl", {"baseline": tie, "canary": tie})
+    code, [out] = judged(capsys, str(records), "--config", str(config))
+    assert out["decision"] != "promote" and code != 0
+    rng = np.random.default_rng(1)
+    faster = write_records(tmp_path / "faster.jsonl", {"baseline": rng.lognormal(np.log(0.03), 0.2, 200),
+                                                       "canary": rng.lognormal(np.log(0.021), 0.2, 200)},
+                           ttft_by_arm={arm: rng.lognormal(np.log(0.05), 0.3, 200) for arm in ("baseline", "canary")})
+    code, [out] = judged(capsys, str(faster), "--config", str(config))
+    assert out["decision"] == "promote" and code == 0, out["reason"]
+
+
+def test_a_canary_that_drops_its_slowest_requests_as_errors_does_not_promote(tmp_path, capsys):
+    """A canary 6% faster than the baseline (short of the 10% objective) whose slowest 30% of requests
+    fail: judged on its successes alone its TPOT p50 ratio is 0.69 (bounds [0.58, 0.83]) and the judge
+    before the latency judge's +inf-errors rule promoted it (seen at commit dc03cf1). Errors are the
+    slowest possible latency, so it must not PROMOTE. Only the objective is enabled, so the error-rate
+    guard cannot stand in for that rule."""
+    rng = np.random.default_rng(0)
+    baseline = rng.lognormal(np.log(0.030), 0.4, 200)
+    canary = rng.lognormal(np.log(0.0282), 0.4, 200)
+    dropped = canary >= np.quantile(canary, 0.7)
+    records = write_records(tmp_path / "dropped.jsonl", {"baseline": baseline, "canary": canary}, {"canary": dropped})
+    config = run_config(tmp_path, ["tpot_p50_improvement"])
+    code, [out] = judged(capsys, str(records), "--config", str(config))
+    assert out["decision"] != "promote" and code != 0, out["reason"]
+
+
+def test_a_bare_records_file_cannot_pass_acceptance_or_the_missing_accuracy_gates(tmp_path, capsys):
+    """Fail closed: without decision.json there are no spec-decode counters and no eval outcomes, so with the
+    default gates the input is INCONCLUSIVE, and the reason names the gates and gates.enabled."""
+    rng = np.random.default_rng(3)
+    records = write_records(tmp_path / "r.jsonl", {"baseline": rng.lognormal(np.log(0.03), 0.2, 200),
+                                                   "canary": rng.lognormal(np.log(0.02), 0.2, 200)})
+    code, [out] = judged(capsys, str(records), "--config", str(run_config(tmp_path, None)))
+    assert out["decision"] == "inconclusive" and code == 4
+    assert {g["name"]: g["verdict"] for g in out["gates"]}["acceptance_length_floor"] == "inconclusive"
+    assert "accuracy_noninferiority, output_divergence" in out["reason"] and "gates.enabled" in out["reason"]
+    assert any("spec-decode" in note for note in out["notes"])
+
+
+def test_the_cli_routes_judge_and_prints_a_table(capsys):
+    code = cli.main(["judge", str(REAL_RUN)])
+    out = capsys.readouterr().out
+    assert code == rejudge.main([str(REAL_RUN)]) and code in (0, 3, 4)
+    assert out.startswith(f"{REAL_RUN}: ") and "sample_ratio" in out and "acceptance_length_floor" in out
+
+
+@pytest.mark.parametrize(
+    "content, expected",
+    [
+        (None, "no such file"),
+        ('{"request_id": "a", "tag": "t", "worker": "w", "sent_at": 1, "e2e_s": 1, "ok": true, "status": 200}\n\n{oops\n',
+         ":3: not JSON"),
+        ('{"request_id": "a", "tag": "t", "worker": "w", "sent_at": 1, "ok": true, "status": 200}\n',
+         ":1: not a request record: e2e_s"),
+    ],
+)
+def test_bad_input_is_one_line_and_exit_2(tmp_path, capsys, content, expected):
+    path = tmp_path / "records.jsonl"
+    if content is not None:
+        path.write_text(content)
+    assert rejudge.main([str(path)]) == 2
+    captured = capsys.readouterr()
+    assert captured.out == ""
+    lines = captured.err.strip().splitlines()
+    assert len(lines) == 1 and expected in lines[0], captured.err
+
+
+def test_a_run_directory_without_its_decision_is_bad_input(tmp_path, capsys):
+    (tmp_path / "experiment").mkdir()
+    (tmp_path / "experiment" / "records.jsonl").write_text("")
+    assert rejudge.main([str(tmp_path)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "decision.json" in err[0]
