@@ -1,0 +1,314 @@
+"""The calibration's simulated world: one trial's request records, spec-decode counters and eval outcomes.
+
+Pure functions of a numpy Generator and a `TrialSpec` (what is true in this trial:
+the canary's effects and the scenario's latency structure). ``rollout.judge.calibrate``
+pushes what they produce through the controller's own judging path
+(``rollout.judge.calibration_trial``).
+
+Latency, per arm and request (seconds)
+--------------------------------------
+    TPOT and TTFT are lognormal; E2E = TTFT + TPOT x (output tokens - 1), the output
+    being ``max_tokens`` long (the demo's prompts always run to the length limit).
+    The canary's TPOT is ``tpot_ratio`` x the baseline's, its TTFT ``ttft_ratio`` x:
+    every effect below is multiplicative and identically distributed in both arms, so
+    the true p50 / p95 ratios are exactly those factors. A request fails with the
+    arm's error rate (no TTFT, no tokens). Scenarios add, independently per arm:
+
+    iid            nothing;
+    arm_level_SD   a random log-level N(0, SD) per block of ``requests_per_look``
+                   consecutive requests of the arm (a per-look level: a replica's
+                   state, a noisy neighbour), added to log TPOT and log TTFT;
+    within_look_drift  inside each such block the log level moves linearly from
+                   -d/2 to +d/2, d ~ N(0, 0.10);
+    stall_runs     a stall starts at a request with probability 0.02 and covers it
+                   and the next 9 (runs of ~10 slow requests): TTFT x 4, TPOT x 1.5;
+    ties_1ms       a stable decode (TPOT log-sd 0.05) with TTFT and TPOT rounded to
+                   1 ms, so the samples are full of ties (30 ms vs 27 ms: ratio 0.9);
+    unequal_n      each arm runs its own closed loop, so the faster arm completes
+                   more requests in the same time (the others share one ticket
+                   sequence that alternates the arms, as the load generator does);
+    heavy_tails    log-sd 1.0 for TPOT and TTFT, and 3% of requests multiplied by
+                   1 + Pareto(1.5) (infinite variance).
+
+Order and clock: ``users`` closed-loop streams; each sends its next request when the
+previous one ends; records come out in completion order with ``sent_at`` and
+``e2e_s``, so the look rule runs on their clock as on a live run's.
+
+Speculative decoding (canary): every decode step drafts ``k`` tokens; position i is
+accepted with probability ``r`` if every earlier one was (``r`` solved from the
+trial's true mean acceptance length). Counters accumulate per completed request.
+
+Eval items (paired): each item falls in one of four cells (both right, both wrong,
+only baseline right, only canary right); with no true change the arms still disagree
+on ``discordance`` of the items, a drop of d moves d of them from 'both right' to
+'only baseline right'. Divergence: the canary (and the twin, when the run has one)
+diverge from the baseline independently per item at their rates.
+"""
+
+from __future__ import annotations
+
+import heapq
+import math
+from dataclasses import dataclass
+
+import numpy as np
+from scipy import optimize
+
+from cluster.arms import BASELINE, CANARY
+from cluster.metrics import SpecDecodeStats
+from loadtests.records import RequestRecord
+
+__all__ = [
+    "LATENCY_SCENARIOS",
+    "LatencyWorld",
+    "AccuracyWorld",
+    "TrialSpec",
+    "StreamShape",
+    "simulate_records",
+    "spec_decode_by_request",
+    "acceptance_rate_for_length",
+    "paired_items",
+]
+
+LATENCY_SCENARIOS = (
+    "iid",
+    "arm_level_0.05",
+    "arm_level_0.10",
+    "within_look_drift",
+    "stall_runs",
+    "ties_1ms",
+    "unequal_n",
+    "heavy_tails",
+)
+
+
+@dataclass(frozen=True)
+class LatencyWorld:
+    """The baseline's latency (medians in seconds, log-sds) and the scenarios' effect sizes."""
+
+    tpot_median_s: float = 0.030
+    tpot_sigma: float = 0.25
+    ttft_median_s: float = 0.15
+    ttft_sigma: float = 0.6
+    error_rate: float = 0.002
+    error_latency_s: float = 0.05  # a failed request ends quickly (an HTTP 500)
+    drift_sd: float = 0.10
+    stall_start_probability: float = 0.02
+    stall_run: int = 10
+    stall_ttft_factor: float = 4.0
+    stall_tpot_factor: float = 1.5
+    ties_tpot_sigma: float = 0.05
+    ties_resolution_s: float = 0.001
+    heavy_sigma: float = 1.0
+    heavy_stall_probability: float = 0.03
+    heavy_pareto_shape: float = 1.5
+
+
+@dataclass(frozen=True)
+class AccuracyWorld:
+    """Paired eval outcomes; defaults echo gsm8k on MiMo (0.95 accuracy, 3% no-change discordance)."""
+
+    baseline_accuracy: float = 0.95
+    discordance: float = 0.03
+    divergence_rate: float = 0.02  # canary (and twin) vs baseline greedy divergence with no true change
+
+
+@dataclass(frozen=True)
+class TrialSpec:
+    """What is true in one set of simulated trials (the canary against the baseline)."""
+
+    scenario: str = "iid"
+    tpot_ratio: float = 1.0
+    ttft_ratio: float = 1.0
+    canary_error_rate: float | None = None  # None: the baseline's
+    acceptance_length: float = 2.95  # the canary's true mean acceptance length (k=3, r=0.8)
+    accuracy_drop: float = 0.0
+    canary_divergence_excess: float = 0.0  # over the twin's rate (or over the no-change rate without a twin)
+    canary_divergence_rate: float | None = None  # absolute rate (no twin: the cap scenario), None: world's + excess
+    run_accuracy: bool = False
+    run_experiment: bool = True
+
+    def __post_init__(self) -> None:
+        if self.scenario not in LATENCY_SCENARIOS:
+            raise ValueError(f"unknown scenario {self.scenario!r}; known: {', '.join(LATENCY_SCENARIOS)}")
+
+
+@dataclass(frozen=True)
+class StreamShape:
+    """The load the experiment offers: how many streams, how long the outputs, how many requests."""
+
+    requests_per_arm: int
+    requests_per_look: int
+    users_per_arm: int
+    output_tokens: int
+    speculative_tokens: int = 3
+
+
+# -- latency -------------------------------------------------------------------------
+def _arm_level(scenario: str) -> float:
+    return float(scenario.removeprefix("arm_level_")) if scenario.startswith("arm_level_") else 0.0
+
+
+def _arm_latencies(
+    rng: np.random.Generator, n: int, world: LatencyWorld, spec: TrialSpec, shape: StreamShape, canary: bool
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(ttft_s, tpot_s, ok) of one arm's n requests in send order."""
+    scenario = spec.scenario
+    tpot_sigma = world.ties_tpot_sigma if scenario == "ties_1ms" else world.tpot_sigma
+    ttft_sigma = world.ttft_sigma
+    if scenario == "heavy_tails":
+        tpot_sigma = ttft_sigma = world.heavy_sigma
+    log_tpot = math.log(world.tpot_median_s) + rng.normal(0.0, tpot_sigma, n)
+    log_ttft = math.log(world.ttft_median_s) + rng.normal(0.0, ttft_sigma, n)
+    block = np.arange(n) // shape.requests_per_look
+    if (level_sd := _arm_level(scenario)) > 0:
+        level = rng.normal(0.0, level_sd, block[-1] + 1)[block]
+        log_tpot, log_ttft = log_tpot + level, log_ttft + level
+    if scenario == "within_look_drift":
+        span = rng.normal(0.0, world.drift_sd, block[-1] + 1)[block]
+        position = (np.arange(n) % shape.requests_per_look) / max(shape.requests_per_look - 1, 1) - 0.5
+        log_tpot, log_ttft = log_tpot + span * position, log_ttft + span * position
+    if scenario == "stall_runs":
+        starts = np.flatnonzero(rng.random(n) < world.stall_start_probability)
+        stalled = np.zeros(n, bool)
+        for start in starts:
+            stalled[start : start + world.stall_run] = True
+        log_tpot = log_tpot + stalled * math.log(world.stall_tpot_factor)
+        log_ttft = log_ttft + stalled * math.log(world.stall_ttft_factor)
+    if scenario == "heavy_tails":
+        hit = rng.random(n) < world.heavy_stall_probability
+        factor = np.log1p(rng.pareto(world.heavy_pareto_shape, n)) * hit
+        log_tpot, log_ttft = log_tpot + factor, log_ttft + factor
+    tpot = np.exp(log_tpot) * (spec.tpot_ratio if canary else 1.0)
+    ttft = np.exp(log_ttft) * (spec.ttft_ratio if canary else 1.0)
+    if scenario == "ties_1ms":
+        tick = world.ties_resolution_s
+        tpot = np.maximum(np.round(tpot / tick), 1.0) * tick
+        ttft = np.maximum(np.round(ttft / tick), 1.0) * tick
+    error_rate = world.error_rate if not canary or spec.canary_error_rate is None else spec.canary_error_rate
+    ok = rng.random(n) >= error_rate
+    return ttft, tpot, ok
+
+
+def _closed_loop(durations: dict[str, np.ndarray], users: int, alternate: bool) -> dict[str, tuple[np.ndarray, np.ndarray]]:
+    """(sent_at, completed_at) per arm for closed-loop streams.
+
+    ``alternate``: ``users`` streams share one ticket sequence that alternates the
+    arms; else every arm has ``users // 2`` streams of its own.
+    """
+    if alternate:
+        free = [(0.0, u) for u in range(users)]
+        heapq.heapify(free)
+        counts = {arm: 0 for arm in durations}
+        sent = {arm: np.empty(len(d)) for arm, d in durations.items()}
+        arms = list(durations)
+        limit = min(len(d) for d in durations.values())
+        ticket = 0
+        while min(counts.values()) < limit:
+            arm = arms[ticket % len(arms)]
+            ticket += 1
+            t, user = heapq.heappop(free)
+            i = counts[arm]
+            counts[arm] += 1
+            sent[arm][i] = t
+            heapq.heappush(free, (t + durations[arm][i], user))
+        return {arm: (sent[arm][: counts[arm]], sent[arm][: counts[arm]] + durations[arm][: counts[arm]]) for arm in arms}
+    out = {}
+    per_arm = max(users // len(durations), 1)
+    for arm, d in durations.items():
+        free = [0.0] * per_arm
+        sent_arm = np.empty(len(d))
+        for i, duration in enumerate(d):
+            t = heapq.heappop(free)
+            sent_arm[i] = t
+            heapq.heappush(free, t + duration)
+        out[arm] = (sent_arm, sent_arm + d)
+    return out
+
+
+def simulate_records(
+    rng: np.random.Generator, world: LatencyWorld, spec: TrialSpec, shape: StreamShape, template: RequestRecord
+) -> list[RequestRecord]:
+    """Both arms' request records in completion order, enough for the whole plan.
+
+    ``template`` is a valid record every simulated one is a copy of (the fields a
+    simulation does not model keep its values).
+    """
+    budget = int(2.5 * shape.requests_per_arm) + 4 * shape.users_per_arm
+    latencies = {
+        arm: _arm_latencies(rng, budget, world, spec, shape, canary=(arm == CANARY)) for arm in (BASELINE, CANARY)
+    }
+    tokens = shape.output_tokens
+    e2e = {arm: np.where(ok, ttft + tpot * (tokens - 1), world.error_latency_s) for arm, (ttft, tpot, ok) in latencies.items()}
+    times = _closed_loop(e2e, 2 * shape.users_per_arm, alternate=spec.scenario != "unequal_n")
+    # Up to the moment both arms have completed the plan (plus the requests in flight then).
+    enough = max(np.sort(done)[min(shape.requests_per_arm, done.size) - 1] for _, done in times.values())
+    rows = []
+    for arm, (sent, done) in times.items():
+        ttft, tpot, ok = latencies[arm]
+        for i in np.flatnonzero(done <= enough):
+            rows.append((done[i], arm, i, sent[i], ttft[i], e2e[arm][i], bool(ok[i])))
+    rows.sort()
+    records = []
+    for done, arm, i, sent, ttft, e2e_s, ok in rows:
+        fields = dict(
+            request_id=f"{arm}-{i}", arm=arm, pinned_arm=arm, dataset_index=int(i), sent_at=float(sent),
+            e2e_s=float(e2e_s), ok=ok,
+        )
+        if ok:
+            fields.update(ttft_s=float(ttft), output_tokens=tokens, chunks=tokens, status=200, error=None)
+        else:
+            fields.update(ttft_s=None, output_tokens=None, chunks=0, status=500, error="simulated server error")
+        records.append(template.model_copy(update=fields))
+    return records
+
+
+# -- speculative decoding --------------------------------------------------------------
+def acceptance_rate_for_length(mean_length: float, k: int) -> float:
+    """Per-position acceptance probability r with 1 + r + r^2 + ... + r^k = mean_length."""
+    if not 1.0 <= mean_length <= 1.0 + k:
+        raise ValueError(f"a mean acceptance length of k={k} drafts lies in [1, {1 + k}], got {mean_length}")
+    if mean_length in (1.0, 1.0 + k):
+        return 0.0 if mean_length == 1.0 else 1.0
+    return float(optimize.brentq(lambda r: sum(r**i for i in range(1, k + 1)) - (mean_length - 1.0), 0.0, 1.0, xtol=1e-14))
+
+
+def spec_decode_by_request(
+    rng: np.random.Generator, n_requests: int, output_tokens: int, k: int, mean_length: float
+) -> list[SpecDecodeStats]:
+    """Counters of every request's decode steps: drafts until its output_tokens - 1 decode tokens are out."""
+    r = acceptance_rate_for_length(mean_length, k)
+    steps = max(output_tokens - 1, 1)
+    accepted = np.cumprod(rng.random((n_requests, steps, k)) < r, axis=-1)  # position i only if all before it
+    emitted = np.cumsum(1 + accepted.sum(axis=-1), axis=-1)
+    drafts = np.minimum(np.argmax(emitted >= steps, axis=-1) + 1, steps)
+    used = np.arange(steps)[None, :] < drafts[:, None]
+    per_position = (accepted * used[:, :, None]).sum(axis=1)
+    return [
+        SpecDecodeStats(
+            drafts=float(d), draft_tokens=float(d * k), accepted_tokens=float(p.sum()),
+            accepted_per_position=tuple(float(x) for x in p),
+        )
+        for d, p in zip(drafts, per_position)
+    ]
+
+
+# -- eval items ------------------------------------------------------------------------
+def paired_items(
+    rng: np.random.Generator, items: int, world: AccuracyWorld, spec: TrialSpec, twin: bool
+) -> tuple[np.ndarray, np.ndarray, np.ndarray, np.ndarray | None]:
+    """(baseline correct, canary correct, canary diverged, twin diverged or None), one entry per item."""
+    only_canary = world.discordance / 2.0
+    only_baseline = world.discordance / 2.0 + spec.accuracy_drop
+    both_right = world.baseline_accuracy - only_baseline
+    if both_right < 0 or 1.0 - world.baseline_accuracy - only_canary < 0:
+        raise ValueError("the accuracy world's cells must be non-negative")
+    u = rng.random(items)
+    baseline = u < world.baseline_accuracy  # both right or only baseline right
+    canary = (u < both_right) | ((u >= world.baseline_accuracy) & (u < world.baseline_accuracy + only_canary))
+    rate = spec.canary_divergence_rate
+    if rate is None:
+        rate = world.divergence_rate + spec.canary_divergence_excess
+    canary_diverged = rng.random(items) < rate
+    twin_diverged = rng.random(items) < world.divergence_rate if twin else None
+    return baseline, canary, canary_diverged, twin_diverged
