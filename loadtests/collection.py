@@ -12,12 +12,18 @@ The same pass keeps the generator honest: each worker's flush marker carries its
 the test, and the master takes every open-loop record's send lag as it arrives; the
 summary's `generator` (`loadtests.health`) says whether the generator limited the load.
 
+One clock: every batch carries the worker's wall clock when it was sent, and the master
+puts records of a worker whose clock is off by more than CLOCK_SKEW_TOLERANCE_S onto its
+own (the controller's node, whose clock the progressive windows use): a worker on another
+node with a skewed clock must not move requests out of the window they ended in.
+
 Nothing here imports Locust or gevent; the locustfile wires these to the runner.
 """
 
 from __future__ import annotations
 
 import json
+import time
 from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any, TextIO
@@ -27,7 +33,10 @@ from pydantic import BaseModel, ConfigDict
 from loadtests.health import GeneratorHealth, assess
 from loadtests.records import RequestRecord
 
-RECORDS_MESSAGE = "mtp_records"  # worker -> master: {"worker", "seq", "records": [...]}
+RECORDS_MESSAGE = "mtp_records"  # worker -> master: {"worker", "seq", "clock", "records": [...]}
+# A worker clock closer than this to the master's is the same clock seen through the message
+# delay (a batch may wait in the channel); beyond it, the worker's records are re-stamped.
+CLOCK_SKEW_TOLERANCE_S = 0.25
 FLUSH_REQUEST_MESSAGE = "mtp_flush"  # master -> workers: {"epoch"}
 # worker -> master: {"worker", "epoch", "records_sent", "batches_sent", "cpu": {"cpu_s", "wall_s", "cpu_peak_pct"}}
 FLUSHED_MESSAGE = "mtp_flushed"
@@ -52,6 +61,9 @@ class WorkerCollection(BaseModel):
     cpu_s: float | None = None  # the worker's CPU seconds (user + system) during the test
     wall_s: float | None = None  # the test's duration on the worker
     cpu_peak_pct: float | None = None  # its busiest 5 s, in % of one core
+    # master clock - worker clock, estimated (least over its batches); applied to its records'
+    # sent_at / scheduled_at when beyond CLOCK_SKEW_TOLERANCE_S
+    clock_offset_s: float | None = None
 
     @property
     def complete(self) -> bool:
@@ -104,9 +116,13 @@ class RecordShipper:
     direct call into the collector).
     """
 
-    def __init__(self, worker: str, send: Callable[[str, dict[str, Any]], None], batch_size: int = 200) -> None:
+    def __init__(
+        self, worker: str, send: Callable[[str, dict[str, Any]], None], batch_size: int = 200,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
         self.worker = worker
         self._send = send
+        self._clock = clock
         self._batch_size = batch_size
         self._buffer: list[dict[str, Any]] = []
         self.records_sent = 0
@@ -127,7 +143,7 @@ class RecordShipper:
         seq = self.batches_sent
         self.batches_sent += 1
         self.records_sent += len(batch)
-        self._send(RECORDS_MESSAGE, {"worker": self.worker, "seq": seq, "records": batch})
+        self._send(RECORDS_MESSAGE, {"worker": self.worker, "seq": seq, "clock": self._clock(), "records": batch})
 
     def flush_final(self, epoch: int, cpu: Mapping[str, float | None] | None = None) -> None:
         """Send the rest and the marker the master counts against (with this process's
@@ -153,6 +169,7 @@ class _WorkerTally:
         self.out_of_order = 0
         self.flushed: Mapping[str, Any] | None = None
         self.send_lags: list[float] = []  # open loop: sent_at - scheduled_at, seconds
+        self.clock_offset: float | None = None  # master - worker clock: the least seen over its batches
 
 
 class RecordCollector:
@@ -162,8 +179,12 @@ class RecordCollector:
     decide when the summary calls the generator the bottleneck.
     """
 
-    def __init__(self, path: str | Path | None, cpu_warn_pct: float = 85.0, lag_warn_ms: float = 50.0) -> None:
+    def __init__(
+        self, path: str | Path | None, cpu_warn_pct: float = 85.0, lag_warn_ms: float = 50.0,
+        clock: Callable[[], float] = time.time,
+    ) -> None:
         self.path = Path(path) if path is not None else None
+        self._clock = clock
         self.cpu_warn_pct = cpu_warn_pct
         self.lag_warn_ms = lag_warn_ms
         self._file: TextIO | None = None
@@ -189,6 +210,7 @@ class RecordCollector:
             tally.out_of_order += 1
         tally.next_seq = max(tally.next_seq, int(data["seq"]) + 1)
         records = data["records"]
+        self._onto_master_clock(tally, data.get("clock"), records)
         lags = tally.send_lags
         for record in records:
             scheduled_at = record.get("scheduled_at")
@@ -201,6 +223,19 @@ class RecordCollector:
             # a crash of the master keeps what arrived so far
             self._file.flush()
         self.records_written += len(records)
+
+    def _onto_master_clock(self, tally: _WorkerTally, worker_clock: Any, records: list[dict[str, Any]]) -> None:
+        if worker_clock is None:
+            return
+        seen = self._clock() - float(worker_clock)  # the offset plus this batch's delay: never below the offset
+        tally.clock_offset = seen if tally.clock_offset is None else min(tally.clock_offset, seen)
+        offset = tally.clock_offset
+        if abs(offset) <= CLOCK_SKEW_TOLERANCE_S:
+            return
+        for record in records:
+            for key in ("sent_at", "scheduled_at"):
+                if record.get(key) is not None:
+                    record[key] = record[key] + offset
 
     def receive_flushed(self, data: Mapping[str, Any]) -> None:
         self._tallies.setdefault(str(data["worker"]), _WorkerTally()).flushed = dict(data)
@@ -228,6 +263,7 @@ class RecordCollector:
                     cpu_s=cpu.get("cpu_s"),
                     wall_s=cpu.get("wall_s"),
                     cpu_peak_pct=cpu.get("cpu_peak_pct"),
+                    clock_offset_s=tally.clock_offset,
                 )
             )
         generator = assess(

@@ -86,3 +86,29 @@ def test_the_collection_summary_carries_cpu_lag_and_verdict(tmp_path):
     assert generator.generator_limited and len(generator.warnings) == 2  # CPU and lag
     assert summary.test_started_at == 999.5
     assert summary_path_for(tmp_path / "r.jsonl").read_text() == summary.model_dump_json(indent=2)
+
+
+@pytest.mark.parametrize("skew_s, shifted", [(30.0, True), (-7.5, True), (0.05, False)])
+def test_a_worker_with_a_skewed_clock_has_its_records_put_on_the_masters(tmp_path, skew_s, shifted):
+    """Records of a worker on another node must land in the progressive window they ended in on the
+    controller's clock: beyond the tolerance its sent_at moves by the estimated offset (the least
+    master - worker difference over its batches, here with a 0.1 s delay on one); within it, nothing moves."""
+    master_now = [2000.0]
+    collector = RecordCollector(tmp_path / "r.jsonl", clock=lambda: master_now[0])
+    delays = iter([0.1, 0.0])  # the first batch waited 100 ms in the channel
+    shipper = RecordShipper(
+        "w", lambda kind, data: (collector.receive_batch(data) if kind == "mtp_records" else None),
+        batch_size=2, clock=lambda: master_now[0] - skew_s - next(delays, 0.0),
+    )
+    for number in range(4):
+        shipper.add(record(number, sent_at=1990.0 + number - skew_s, scheduled_at=1990.0 + number - skew_s))
+    summary = collector.close()
+    written = [RequestRecord.model_validate_json(line) for line in (tmp_path / "r.jsonl").read_text().splitlines()]
+    (worker,) = summary.workers
+    if shifted:
+        assert worker.clock_offset_s == pytest.approx(skew_s)
+        # the first batch got the estimate its own delay allowed (+0.1 s), the second the better one
+        assert [r.sent_at for r in written] == pytest.approx([1990.1, 1991.1, 1992.0, 1993.0])
+        assert all(r.sent_at == r.scheduled_at for r in written)  # send lags are unchanged
+    else:
+        assert [r.sent_at for r in written] == [1990.0 + n - skew_s for n in range(4)]
