@@ -219,18 +219,18 @@ class RunContext:
         self.event(phase, "abort", "abort command")
         return True
 
-    def replicas_alive(self) -> dict[str, bool]:
-        """Replica name -> alive; a replica (or actor) that does not answer in time is left out (no evidence)."""
-        alive: dict[str, bool] = {}
+    def replicas_alive(self) -> dict[str, bool | None]:
+        """Replica name -> alive (True), down (False) or no answer in time (None: the server, or its
+        actor, is silent; ReplicaWatch calls a long silence a stall)."""
+        alive: dict[str, bool | None] = {}
         if self.fleet is None:
             return alive
         for handle in self.fleet.replicas:
             try:
                 answer = ray.get(handle.actor.liveness.remote(), timeout=10)
             except ray.exceptions.GetTimeoutError:
-                continue
+                answer = None
             except ray.exceptions.RayError:
                 answer = False  # the actor itself is gone
-            if answer is not None:
-                alive[handle.name] = bool(answer)
+            alive[handle.name] = None if answer is None else bool(answer)
         return alive

@@ -35,13 +35,48 @@ def test_one_missed_poll_is_not_a_death_and_three_in_a_row_are():
         watch.check()
 
 
-def test_a_replica_that_does_not_answer_is_left_out_and_never_dies():
-    alive, _ = scripted({"a": True})  # b timed out every time: not in the answer
+def test_a_replica_left_out_of_the_answer_is_no_evidence_and_never_dies():
+    alive, _ = scripted({"a": True})  # b unknown to alive(): not in the answer
     watch = ReplicaWatch("accuracy", alive, every_s=1, confirmations=2)
-    for now in range(10):
+    for now in range(100):
         watch.tick(now)
     watch.check()
-    assert watch.dead() == []
+    assert watch.dead() == [] and watch.stalled() == []
+
+
+def test_a_silent_replica_is_a_stall_only_after_enough_polls_and_enough_time():
+    """SIGSTOP or a hung engine: no answer at all. Three silent polls within 10 s are not a stall (a busy
+    replica may miss a few deadlines); silence in 3+ polls over stall_after_s is, and one answer resets it."""
+    alive, _ = scripted({"a": True, "b": None})
+    watch = ReplicaWatch("experiment", alive, every_s=5, confirmations=3, stall_after_s=45)
+    for now in range(0, 45, 5):  # silent from 0 to 40 s: 9 polls, not yet 45 s
+        watch.tick(now)
+    watch.check()
+    watch.tick(45)
+    with pytest.raises(InfrastructureError, match=r"experiment: replica b stalled \(no answer to /health for 45 s"):
+        watch.check()
+    alive, _ = scripted(*([{"b": None}] * 8 + [{"b": True}] + [{"b": None}] * 8))
+    watch = ReplicaWatch("experiment", alive, every_s=5, confirmations=3, stall_after_s=45)
+    for now in range(0, 85, 5):  # silent 0-35 s, an answer at 40 s, silent 45-80 s: never 45 s in a row
+        watch.tick(now)
+    watch.check()
+    assert watch.stalled() == []
+
+
+def test_confirm_waits_out_a_silence_until_it_answers_or_is_a_stall():
+    clock = [0.0]
+
+    def tick_clock() -> float:
+        clock[0] += 2.0
+        return clock[0]
+
+    alive, calls = scripted({"a": True, "b": None}, {"a": True, "b": None}, {"a": True, "b": True})
+    ReplicaWatch("accuracy", alive, confirmations=3, clock=tick_clock).confirm(spacing_s=0)
+    assert len(calls) == 3  # waited for b's answer
+    alive, calls = scripted({"a": True, "b": None})
+    with pytest.raises(InfrastructureError, match="replica b stalled"):
+        ReplicaWatch("accuracy", alive, confirmations=3, stall_after_s=10, clock=tick_clock).confirm(spacing_s=0)
+    assert len(calls) == 6  # silent at 2, 4, ..., 12: 10 s of silence
 
 
 def test_confirm_repolls_a_replica_seen_down_until_it_answers_or_is_confirmed_dead():
