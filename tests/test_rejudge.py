@@ -54,25 +54,38 @@ def write_records(path: Path, tpot_by_arm: dict[str, np.ndarray], errors: dict[s
     return path
 
 
+# The run was judged before db87ecd (quantile ratios on order-statistic bands widened for blocks): these
+# gates' intervals, and so their verdicts, differ now by design; their point estimates must not.
+# Re-record the fixture from a run under the current judge to compare them too.
+JUDGED_DIFFERENTLY_SINCE_THE_RUN = {"tpot_p50_improvement", "ttft_p95_guard"}
+
+
 def test_a_replay_of_a_real_run_gives_the_verdicts_it_stored(capsys):
-    """The replay (stored look boundaries, the run's gates_config, its spec-decode counters) reaches the
-    run's decision, the same verdicts at every look, and the same numbers for the final gates."""
+    """The replay (stored look boundaries, the run's gates_config, its spec-decode counters) makes the run's
+    looks (same requests, same information fractions), the same verdicts at every look and the same
+    estimates and intervals for every gate whose judge has not changed since the run, and the same point
+    estimates for those whose judge has."""
     stored = json.loads((REAL_RUN / "decision.json").read_text())
     code, [out] = judged(capsys, str(REAL_RUN))
-    assert out["decision"] == stored["decision"] == "promote" and code == 0
     assert len(out["looks"]) == len(stored["experiment"]["looks"])
     for replayed, original in zip(out["looks"], stored["experiment"]["looks"]):
         assert replayed["requests"] == original["requests"]
         assert replayed["information"] == pytest.approx(original["information"], abs=1e-4)
-        assert {k: replayed["verdicts"][k] for k in original["verdicts"]} == original["verdicts"]
+        same = {k: v for k, v in original["verdicts"].items() if k not in JUDGED_DIFFERENTLY_SINCE_THE_RUN}
+        assert {k: replayed["verdicts"][k] for k in same} == same
     final = {g["name"]: g for g in out["gates"]}
     for gate in stored["gates"]:
         mine = final[gate["name"]]
-        assert mine["verdict"] == gate["verdict"]
-        if gate["name"] in ("tpot_p50_improvement", "ttft_p95_guard", "error_rate_guard"):
-            assert mine["estimate"] == pytest.approx(gate["estimate"], rel=1e-9)
-            assert mine["interval"] == pytest.approx(gate["interval"], rel=1e-9)
+        assert mine["estimate"] == pytest.approx(gate["estimate"], rel=1e-12)
+        if gate["name"] not in JUDGED_DIFFERENTLY_SINCE_THE_RUN:
+            assert mine["verdict"] == gate["verdict"]
+            if gate["name"] != "acceptance_length_floor":  # judged on a bound since this run
+                assert mine["interval"] == pytest.approx(gate["interval"], rel=1e-12)
     assert final["sample_ratio"]["verdict"] == "pass"  # a gate the run predates: judged all the same
+    if all(final[name]["verdict"] == "pass" for name in JUDGED_DIFFERENTLY_SINCE_THE_RUN):
+        assert out["decision"] == stored["decision"] and code == 0
+    else:
+        assert out["decision"] == "inconclusive" and code == 4
 
 
 def test_ties_do_not_promote(tmp_path, capsys):

@@ -35,14 +35,12 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from typing import Protocol
 
-import numpy as np
-
 from cluster.arms import BASELINE, CANARY
 from cluster.metrics import SpecDecodeStats
 from loadtests.records import RequestRecord
 from rollout.judge.acceptance import judge_acceptance
 from rollout.judge.config import GatesConfig
-from rollout.judge.latency import LatencySamples, judge_latency
+from rollout.judge.latency import LatencySamples, judge_latency, latency_samples_from_records
 from rollout.judge.sample_ratio import judge_sample_ratio
 from rollout.judge.verdicts import GateResult, Verdict, is_final
 
@@ -121,17 +119,9 @@ def requests_by_arm(records: Sequence[RequestRecord]) -> dict[str, int]:
 
 
 def latency_samples(records: Sequence[RequestRecord], looks_of: Sequence[int], arm: str) -> LatencySamples:
-    """Per-request samples of one arm with the look each arrived in; cancelled requests are not samples."""
-    mine = [(r, w) for r, w in zip(records, looks_of) if record_arm(r) == arm and not r.cancelled]
-    ok = [(r, w) for r, w in mine if r.ok and r.ttft_s is not None and r.tpot_s is not None]
-    return LatencySamples(
-        ttft_s=np.array([r.ttft_s for r, _ in ok], dtype=float),
-        tpot_s=np.array([r.tpot_s for r, _ in ok], dtype=float),
-        e2e_s=np.array([r.e2e_s for r, _ in ok], dtype=float),
-        n_errors=sum(1 for r, _ in mine if not r.ok),
-        n_total=len(mine),
-        window=np.array([w for _, w in ok], dtype=int),
-    )
+    """Per-request samples of one arm with the look each arrived in: the latency judge's own rule
+    (``latency_samples_from_records``: cancelled requests are not samples, failed ones carry their look)."""
+    return latency_samples_from_records(records, looks_of, arm)
 
 
 # -- one look -------------------------------------------------------------------------
