@@ -11,8 +11,9 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 from hypothesis.extra import numpy as hnp
 
+from loadtests.records import RequestRecord
 from rollout.judge.config import GatesConfig
-from rollout.judge.latency import LatencySamples, judge_latency
+from rollout.judge.latency import LatencySamples, judge_latency, latency_samples_from_records, sample_design_effect
 from rollout.judge.verdicts import Decision, GateResult, Verdict, decide, is_final
 
 
@@ -226,3 +227,134 @@ def test_too_few_requests_never_pass(n):
     results = judge_latency(arm(rng, n), arm(rng, n, tpot_ratio=0.5), GatesConfig(), look=5)
     assert all(r.verdict is not Verdict.PASS for r in results)
     assert decide(results) is not Decision.PROMOTE
+
+
+# --- fail closed: scarce, tied, correlated and failed requests ------------------------------------
+
+
+def _ticked(values: np.ndarray, tick: float = 0.001) -> np.ndarray:
+    return np.maximum(np.round(values / tick), 1.0) * tick
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_one_ms_ticks_at_exactly_the_threshold_never_pass(seed):
+    """Rule: ties from a measurement tick are not precision. TPOT quantised to 1 ms, true ratio exactly 0.90, 1,500
+    requests per arm, TPOT ~10 ms (nearly every sample on 9 or 10 ms): the old judge passed at looks 1 and 5 with
+    the interval (0.9, 0.9); the bounds now move to the neighbouring distinct values, so the interval has width and
+    does not clear 0.9 (blocks: runs of requests)."""
+    rng = np.random.default_rng(seed)
+    latent = 0.01 * rng.lognormal(0.0, 0.05, (2, 1500))
+    baseline, canary = _ticked(latent[0]), _ticked(0.9 * latent[1])
+    b = LatencySamples(baseline, baseline, baseline, 0, 1500)
+    c = LatencySamples(canary, canary, canary, 0, 1500)
+    for look in (1, 5):
+        objective = by_name(judge_latency(b, c, GatesConfig(), look=look))["tpot_p50_improvement"]
+        assert objective.verdict is not Verdict.PASS
+        assert objective.interval is not None and objective.interval[1] - objective.interval[0] > 0.02
+        assert "neighbouring distinct values" in objective.detail
+
+
+def test_all_tied_samples_are_inconclusive_never_pass():
+    """Rule: a degenerate interval (every sample equal, lower == upper) proves nothing: INCONCLUSIVE, not PASS (the
+    old judge passed both the objective, on (0.9, 0.9), and the TTFT guard, on (1.0, 1.0))."""
+    window = np.repeat(np.arange(1, 6), 40)
+    b = LatencySamples(np.full(200, 0.25), np.full(200, 0.010), np.full(200, 1.75), 0, 200, window)
+    c = LatencySamples(np.full(200, 0.25), np.full(200, 0.009), np.full(200, 1.6), 0, 200, window)
+    gates = by_name(judge_latency(b, c, GatesConfig(), look=5, information=[0.2, 0.4, 0.6, 0.8, 1.0]))
+    assert gates["tpot_p50_improvement"].verdict is Verdict.INCONCLUSIVE
+    assert "Degenerate" in gates["tpot_p50_improvement"].detail
+    assert gates["ttft_p95_guard"].verdict is Verdict.INCONCLUSIVE
+
+
+def test_a_p95_without_the_samples_its_band_needs_is_inconclusive_and_says_how_many():
+    """Rule: a quantile is judged only when both ranks of its exact band lie in the sample (the old band was
+    clipped at the maximum: coverage 0.77 at n = 30, and it passed this guard); the detail names the samples
+    needed (59 at one look)."""
+    rng = np.random.default_rng(31)
+    baseline, canary = arm(rng, 40), arm(rng, 40, ttft_ratio=0.5)
+    guard = by_name(judge_latency(baseline, canary, GatesConfig(), look=1, max_looks=1))["ttft_p95_guard"]
+    assert guard.verdict is Verdict.INCONCLUSIVE
+    assert "needs >= 59 samples per arm" in guard.detail
+
+
+def test_a_single_look_reaches_no_quantile_verdict():
+    """Rule: a latency level shared by one look's requests is invisible inside that look, so with the looks as blocks
+    nothing is decided on one look, however large the effect; the detail says why."""
+    rng = np.random.default_rng(32)
+    baseline, canary = arm(rng, 400, windows=1), arm(rng, 400, tpot_ratio=0.5, windows=1)
+    objective = by_name(judge_latency(baseline, canary, GatesConfig(), look=1, information=[0.4]))["tpot_p50_improvement"]
+    assert objective.verdict is Verdict.INCONCLUSIVE
+    assert "at least 2 blocks" in objective.detail
+    two = arm(rng, 400, windows=2), arm(rng, 400, tpot_ratio=0.5, windows=2)
+    assert by_name(judge_latency(*two, GatesConfig(), look=2, information=[0.2, 0.4]))["tpot_p50_improvement"].verdict is not Verdict.FAIL
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_timing_out_the_slow_tail_does_not_lower_the_canary_p95(seed):
+    """Rule: failed requests are +inf ranks in the quantiles, so a canary that turns its slowest 2% into errors
+    reports a p95 (and an upper bound) no lower than with those requests answered slowly."""
+    rng = np.random.default_rng(seed)
+    window = np.repeat(np.arange(1, 6), 40)
+    baseline = arm(rng, 200, windows=5)
+    canary = arm(rng, 200, tpot_ratio=0.7, ttft_ratio=1.25, windows=5)
+    slow = np.argsort(canary.ttft_s)[-4:]
+    ok = np.ones(200, dtype=bool)
+    ok[slow] = False
+    timed_out = LatencySamples(
+        canary.ttft_s[ok], canary.tpot_s[ok], canary.e2e_s[ok], 4, 200, window[ok], error_window=window[~ok]
+    )
+    cfg = GatesConfig()
+    info = [0.2, 0.4, 0.6, 0.8, 1.0]
+    full = by_name(judge_latency(baseline, canary, cfg, look=5, information=info))["ttft_p95_guard"]
+    cut = by_name(judge_latency(baseline, timed_out, cfg, look=5, information=info))["ttft_p95_guard"]
+    assert cut.canary is None or cut.canary >= full.canary - 1e-9
+    assert cut.verdict is not Verdict.PASS or full.verdict is Verdict.PASS
+    if cut.interval is not None and full.interval is not None:
+        assert cut.interval[1] >= full.interval[1] - 1e-9
+    assert "failed requests as +inf: baseline 0, canary 4" in cut.detail
+
+
+def test_the_design_effect_is_reported_and_callable():
+    """Rule: each arm's design effect (block/iid variance) is in the gate's detail and the same number comes from
+    sample_design_effect; a per-look level makes it large."""
+    rng = np.random.default_rng(33)
+    window = np.repeat(np.arange(1, 6), 40)
+    level = np.repeat(rng.lognormal(0.0, 0.2, 5), 40)
+    baseline = LatencySamples(np.full(200, 0.25) * rng.lognormal(0, 0.3, 200), 0.03 * rng.lognormal(0, 0.25, 200) * level,
+                              np.full(200, 5.0), 0, 200, window)
+    canary = arm(rng, 200, windows=5)
+    deff_b = sample_design_effect(baseline, "tpot_s", 0.5)
+    deff_c = sample_design_effect(canary, "tpot_s", 0.5)
+    objective = by_name(judge_latency(baseline, canary, GatesConfig(), look=5))["tpot_p50_improvement"]
+    assert f"baseline {deff_b:.2f}, canary {deff_c:.2f} over 5/5 blocks" in objective.detail
+    assert deff_b > 3.0
+
+
+def _record(i: int, arm_name: str, *, ok: bool = True, cancelled: bool = False, tokens: int = 50) -> RequestRecord:
+    return RequestRecord(
+        request_id=f"r{i}", tag="experiment", worker="w", arm=arm_name if i % 3 else None, pinned_arm=arm_name,
+        sent_at=1000.0 + i, ttft_s=0.2 + i * 1e-3 if ok else None, e2e_s=1.0 + i * 1e-3, output_tokens=tokens if ok else None,
+        ok=ok, status=200 if ok else 504, cancelled=cancelled,
+    )
+
+
+def test_latency_samples_from_records_is_the_controllers_rule_plus_the_looks_of_errors():
+    """Rule: the constructor gives what the controller's latency_samples gives (cancelled requests are neither samples
+    nor errors, a one-token output counts in n_total only) plus the look of every failed request."""
+    from rollout.judge.experiment_looks import latency_samples
+
+    records, looks_of = [], []
+    for i in range(30):
+        arm_name = "baseline" if i % 2 else "canary"
+        records.append(_record(i, arm_name, ok=i % 7 != 0, cancelled=i % 11 == 5, tokens=1 if i == 8 else 50))
+        looks_of.append(1 + i // 10)
+    for arm_name in ("baseline", "canary"):
+        ours = latency_samples_from_records(records, looks_of, arm_name)
+        theirs = latency_samples(records, looks_of, arm_name)
+        for field in ("ttft_s", "tpot_s", "e2e_s", "window"):
+            assert np.array_equal(getattr(ours, field), getattr(theirs, field))
+        assert (ours.n_errors, ours.n_total) == (theirs.n_errors, theirs.n_total)
+        failed = [w for r, w in zip(records, looks_of) if r.pinned_arm == arm_name and not r.ok and not r.cancelled]
+        assert ours.error_window.tolist() == failed and ours.n_errors == len(failed)
+    canary = latency_samples_from_records(records, looks_of, "canary")
+    assert canary.n_errors > 0 and 1 in canary.error_window.tolist()

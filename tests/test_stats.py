@@ -241,3 +241,116 @@ def test_comparator_p_values_point_the_right_way():
     assert stats.mann_whitney_less_pvalue(base * 0.8, base) > 0.5
     assert stats.two_proportion_less_pvalue(950, 900, 1000) < 0.01
     assert stats.two_proportion_less_pvalue(900, 950, 1000) > 0.5
+
+
+# --- exact, block-robust quantile bands --------------------------------------------------------
+
+
+@pytest.mark.parametrize("n,q", [(30, 0.5), (80, 0.95), (200, 0.95), (200, 0.5)])
+def test_exact_rank_band_is_the_tightest_binomial_band(n, q):
+    """Rule: the bounds are the exact order-statistic ones (binomial), not a band read as a Wald SE."""
+    level = 0.05
+    lower, upper = stats.exact_rank_band(n, q, level)
+    if upper <= n:
+        assert sps.binom.cdf(upper - 1, n, q) >= 1 - level > sps.binom.cdf(upper - 2, n, q)
+    if lower >= 1:
+        assert sps.binom.cdf(lower - 1, n, q) < level <= sps.binom.cdf(lower, n, q)
+
+
+def test_exact_rank_band_covers_by_monte_carlo():
+    """Rule: each one-sided bound errs with probability <= its level for any continuous latency distribution."""
+    rng = np.random.default_rng(21)
+    trials, level = 20_000, 0.05
+    for n, q in ((60, 0.95), (120, 0.5)):
+        x = np.sort(rng.exponential(size=(trials, n)), axis=-1)
+        truth = -math.log(1 - q)
+        lower, upper = stats.exact_rank_band(n, q, level)
+        tolerance = 3 * math.sqrt(level * (1 - level) / trials)
+        assert np.mean(x[:, upper - 1] < truth) <= level + tolerance
+        assert np.mean(x[:, lower - 1] > truth) <= level + tolerance
+
+
+def test_a_p95_band_is_never_clipped_at_the_sample_maximum():
+    """Rule: below the n its band needs, a quantile has no bound (the old band was clipped at the max: coverage 0.77
+    at n = 30); samples_needed says how many it takes: the smallest n with 0.95^n < level."""
+    lower, upper = stats.exact_rank_band(30, 0.95, 0.05)
+    assert upper > 30
+    assert stats.samples_needed(0.95, 0.05) == 59  # 0.95^58 = 0.0510, 0.95^59 = 0.0485
+    band = stats.quantile_band(np.arange(1.0, 31.0), 0.95, 0.05)
+    assert not band.in_sample and band.log_upper == math.inf
+
+
+def test_design_effect_is_one_for_independent_requests_and_grows_with_a_shared_level():
+    """Rule: the design effect estimates variance(blocks) / variance(iid) of the quantile: ~1 when requests are
+    independent, large when a block's requests share a latency level."""
+    rng = np.random.default_rng(22)
+    blocks = np.repeat(np.arange(10), 20)
+    iid = [stats.design_effect(rng.lognormal(0, 0.25, 200), blocks, 0.5) for _ in range(2000)]
+    assert np.mean(iid) == pytest.approx(1.0, abs=0.06)
+    shared = [stats.design_effect(rng.lognormal(0, 0.25, 200) * np.repeat(rng.lognormal(0, 0.1, 10), 20), blocks, 0.5) for _ in range(500)]
+    assert np.mean(shared) > 2.0
+    assert math.isnan(stats.design_effect(np.ones(5), np.zeros(5), 0.5))  # one block: not identifiable
+
+
+def test_design_effect_does_not_read_the_arrival_order_of_ties():
+    """Rule: a tied group at the quantile counts by its share below rank n q, not by its order (which runs with the
+    blocks): 200 equal values have no between-block variance at all."""
+    blocks = np.repeat(np.arange(10), 20)
+    assert stats.design_effect(np.full(200, 0.03), blocks, 0.5) == pytest.approx(0.0, abs=1e-12)
+
+
+@given(
+    n=st.integers(10, 2000),
+    q=st.sampled_from([0.5, 0.9, 0.95]),
+    level=st.floats(1e-5, 0.2),
+    deff=st.floats(0.0, 8.0),
+    blocks=st.integers(2, 40),
+)
+@settings(max_examples=80, deadline=None)
+def test_block_band_is_never_narrower_than_the_exact_band(n, q, level, deff, blocks):
+    """Rule: the block-robust band contains the iid exact band, whatever the estimated design effect."""
+    l_exact, u_exact = stats.exact_rank_band(n, q, level)
+    l_block, u_block = stats.block_rank_band(n, q, level, deff, blocks)
+    assert l_block <= l_exact and u_block >= u_exact
+
+
+def test_one_block_gives_no_band():
+    assert stats.block_rank_band(500, 0.5, 0.05, 1.0, 1) == (0, 501)
+
+
+def test_tied_bounds_move_to_the_neighbouring_distinct_values():
+    """Rule: with a measurement tick the latent latency of a tied value lies anywhere in its tick, so a bound on a
+    tied value moves outwards to the next distinct value (past the last one: one resolution step)."""
+    values = np.sort(np.repeat([0.028, 0.029, 0.030, 0.031, 0.032], [50, 100, 200, 100, 50]))
+    band = stats.quantile_band(values, 0.5, 0.05)
+    assert band.tie_widened
+    assert math.exp(band.log_lower) == pytest.approx(0.029) and math.exp(band.log_upper) == pytest.approx(0.031)
+    assert not band.degenerate
+    continuous = stats.quantile_band(np.sort(np.random.default_rng(3).lognormal(size=500)), 0.5, 0.05)
+    assert not continuous.tie_widened
+
+
+def test_failed_requests_as_inf_remove_the_upper_bound_they_reach():
+    """Rule: failed requests are +inf ranks; a bound whose rank falls on one does not exist."""
+    values = np.concatenate([np.linspace(0.1, 1.0, 97), np.full(3, np.inf)])
+    band = stats.quantile_band(values, 0.95, 0.05)
+    assert band.in_sample and band.log_upper == math.inf and math.isfinite(band.log_lower)
+    assert stats.quantile_band(np.concatenate([values[:90], np.full(10, np.inf)]), 0.95, 0.05).among_failures
+
+
+def test_mover_bounds_mirror_when_arms_swap_and_are_wald_for_symmetric_bands():
+    a = stats.QuantileBand(0.0, -0.2, 0.3, 1, 2, 100, True, False)
+    b = stats.QuantileBand(0.5, 0.4, 0.55, 1, 2, 100, True, False)
+    ratio, lower, upper = stats.mover_log_ratio_bounds(a, b)
+    ratio_s, lower_s, upper_s = stats.mover_log_ratio_bounds(b, a)
+    assert (ratio_s, lower_s, upper_s) == pytest.approx((-ratio, -upper, -lower))
+    assert upper == pytest.approx(0.5 + math.hypot(0.05, 0.2)) and lower == pytest.approx(0.5 - math.hypot(0.1, 0.3))
+    symmetric = stats.QuantileBand(1.0, 0.9, 1.1, 1, 2, 100, True, False)
+    _, lower, upper = stats.mover_log_ratio_bounds(symmetric, symmetric)
+    assert (lower, upper) == pytest.approx((-0.1 * math.sqrt(2), 0.1 * math.sqrt(2)))
+
+
+def test_welch_df_lies_between_the_smaller_and_the_sum():
+    assert stats.welch_df(1.0, 4, 1.0, 4) == pytest.approx(8.0)
+    assert 4 <= stats.welch_df(1.0, 4, 0.2, 9) <= 13
+    assert stats.welch_df(math.inf, 4, 1.0, 9) == 4

@@ -356,6 +356,11 @@ def _why_no_bounds(
             f"The block-robust rank band (t on {df:.1f} df at level {level:.3g}, design effect "
             f"{bl.deff:.2f}/{cl.deff:.2f}) reaches past the sample: more samples or looks needed."
         ), None, None
+    if bb.among_failures or cb.among_failures:
+        return (
+            f"The {label} p{round(q * 100)} falls among the failed requests (+inf ranks) of an arm: no finite bound "
+            "(the error-rate guardrail judges the errors)."
+        ), None, None
     if bb.degenerate or cb.degenerate:
         return "Degenerate band (every sample in it tied, nothing to widen by): never a pass.", None, None
     return "", bb, cb

@@ -484,9 +484,14 @@ class QuantileBand:
     tie_widened: bool
 
     @property
+    def among_failures(self) -> bool:
+        """Even the lower bound falls on failed requests: the quantile is +inf, no finite bound exists."""
+        return self.log_lower == math.inf
+
+    @property
     def degenerate(self) -> bool:
         """A zero-width band proves nothing (every sample in it tied, no resolution to widen by)."""
-        return not self.log_lower < self.log_upper
+        return not self.among_failures and not self.log_lower < self.log_upper
 
 
 def _log(value: float) -> float:
@@ -536,8 +541,9 @@ def quantile_band(
     finite = y[np.isfinite(y)]
     distinct = np.unique(finite)
     tied = distinct.size < finite.size
-    if tied:
-        resolution = float(np.min(np.diff(distinct))) if distinct.size > 1 else math.inf
+    # One distinct value has no resolution to widen by: the band stays degenerate (never a pass).
+    if tied and distinct.size > 1:
+        resolution = float(np.min(np.diff(distinct)))
         if lower > 0.0:
             i = int(np.searchsorted(distinct, lower, side="left")) - 1
             lower = float(distinct[i]) if i >= 0 else max(lower - resolution, 0.0)
