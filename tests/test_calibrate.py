@@ -85,7 +85,8 @@ def test_one_seed_one_result_whatever_the_workers():
 
 
 def test_a_judge_broken_on_purpose_is_caught(monkeypatch):
-    """The harness can fail: an objective that passes whatever the data makes every false-promote rate 1.
+    """The harness can fail: an objective that passes whatever the data makes every false-promote rate 1, and a
+    guardrail that fails whatever the data makes every A/A false-rollback rate 1.
 
     The harness calls the controller's judge (experiment_looks.judge_look ->
     judge_latency) rather than a copy, so breaking that function is what it measures.
@@ -101,6 +102,14 @@ def test_a_judge_broken_on_purpose_is_caught(monkeypatch):
     assert all(row["false_promote_rate"] == 1.0 for row in broken["scenarios"])
     assert honest["scenarios"][0]["false_promote_rate"] < 1.0  # iid at the bar
     assert next(r for r in broken["pass_at_limit"] if r["gate"] == OBJECTIVE_NAME)["pass_rate"] == 1.0
+
+    def guard_always_fails(*args, **kwargs):
+        return [g.model_copy(update={"verdict": Verdict.FAIL}) if g.name == "ttft_p95_guard" else g for g in real_judge(*args, **kwargs)]
+
+    monkeypatch.setattr(experiment_looks, "judge_latency", guard_always_fails)
+    rolled_back = run_calibration(trials=2, seed=3, workers=1)
+    assert all(row["false_rollback_rate"] == 1.0 for row in rolled_back["scenarios"])
+    assert rolled_back["decision"]["false_rollback_rate"] == 1.0
 
 
 # -- the replay of a real run ---------------------------------------------------------------
@@ -288,3 +297,24 @@ def test_a_bad_config_is_one_line_and_exit_2(tmp_path, capsys):
     assert main(["--config", str(path), "--trials", "1"]) == 2
     err = capsys.readouterr().err.strip()
     assert "requests_per_look" in err and "\n" not in err
+
+
+# -- the simulated world's limits -------------------------------------------------------------
+def test_the_limits_the_world_is_put_at_are_the_true_values():
+    """pass_at_limit is only as good as 'at the limit': the simulated canary's mean acceptance length is the floor
+    (counters summed as /metrics would), and with an E2E guard configured the solved TTFT factor puts the true
+    E2E p95 ratio at its limit (checked on a fresh sample)."""
+    from rollout.judge.scenarios import spec_decode_by_request
+
+    rng = np.random.default_rng(8)
+    drafts, accepted = spec_decode_by_request(rng, 4000, 32, 3, 1.5)
+    assert 1.0 + accepted.sum() / drafts.sum() == pytest.approx(1.5, abs=0.005)
+
+    design = default_design()
+    design = calibrate.replace(design, gates=design.gates.model_copy(update={"e2e_p95_max_ratio": 1.3}))
+    spec = calibrate.trial_sets(design)["limit/e2e_p95_guard"]
+    world, tokens = design.latency, design.shape.output_tokens
+    ttft = world.ttft_median_s * np.exp(rng.normal(0.0, world.ttft_sigma, 400_000))
+    tpot = world.tpot_median_s * np.exp(rng.normal(0.0, world.tpot_sigma, 400_000))
+    base, canary = ttft[::2] + tpot[::2] * (tokens - 1), spec.ttft_ratio * ttft[1::2] + spec.tpot_ratio * tpot[1::2] * (tokens - 1)
+    assert np.quantile(canary, 0.95) / np.quantile(base, 0.95) == pytest.approx(1.3, rel=0.01)

@@ -53,6 +53,7 @@ from typing import Any
 
 import numpy as np
 import pydantic
+from scipy import optimize
 from pydantic import Field
 
 from cluster.arms import CANARY
@@ -243,13 +244,12 @@ _TEMPLATE = RequestRecord(request_id="simulated", tag="experiment", worker="cali
 def _experiment(rng: np.random.Generator, design: CalibrationDesign, spec: TrialSpec):
     records = simulate_records(rng, design.latency, spec, design.shape, _TEMPLATE)
     canary_ok = [r.request_id for r in records if r.arm == CANARY and r.ok]
-    per_request = {}
-    if design.speculative_canary and design.shape.speculative_tokens > 0:
-        counters = spec_decode_by_request(
-            rng, len(canary_ok), design.shape.output_tokens, design.shape.speculative_tokens, spec.acceptance_length
-        )
-        per_request = dict(zip(canary_ok, counters))
-    spec_at = cumulative_canary_spec(records, per_request)
+    k = design.shape.speculative_tokens if design.speculative_canary else 0
+    if k > 0:
+        drafts, accepted = spec_decode_by_request(rng, len(canary_ok), design.shape.output_tokens, k, spec.acceptance_length)
+    else:  # a canary that does not speculate: no counters (its acceptance gate is the config's call)
+        drafts, accepted = np.zeros(len(canary_ok)), np.zeros((len(canary_ok), 0))
+    spec_at = cumulative_canary_spec(records, canary_ok, drafts, accepted)
     ends = look_ends(records, design.plan)
     return run_experiment_looks(records, ends, design.plan, design.gates, spec_at, design.speculative_canary)
 
@@ -304,8 +304,6 @@ def _divergence_at_cap(design: CalibrationDesign, spec: TrialSpec) -> TrialSpec:
 
 def _ttft_factor_for_e2e_ratio(design: CalibrationDesign, target: float, samples: int = 200_000) -> float:
     """The canary TTFT factor that puts the iid world's true E2E p95 ratio at ``target`` (canary TPOT at 0.7)."""
-    from scipy import optimize
-
     world, tokens = design.latency, design.shape.output_tokens
     rng = np.random.default_rng(0)
     ttft = world.ttft_median_s * np.exp(rng.normal(0.0, world.ttft_sigma, samples))

@@ -120,13 +120,30 @@ def run_experiment_looks(
     )
 
 
-def cumulative_canary_spec(records: Sequence[RequestRecord], per_request: dict[str, SpecDecodeStats]) -> Callable[[int], SpecDecodeStats]:
-    """``canary_spec_at(end)``: the summed counters of the canary's completed ok requests before ``end``."""
-    running = [SpecDecodeStats()]
-    for record in records:
-        stats = per_request.get(record.request_id) if record_arm(record) == CANARY and record.ok else None
-        running.append(running[-1] + stats if stats is not None else running[-1])
-    return lambda end: running[end]
+def cumulative_canary_spec(
+    records: Sequence[RequestRecord], request_ids: Sequence[str], drafts: np.ndarray, accepted_per_position: np.ndarray
+) -> Callable[[int], SpecDecodeStats]:
+    """``canary_spec_at(end)``: the counters a /metrics scrape would show at a look ending at ``end``,
+    summed over the canary's ok requests completed before it (``drafts[i]`` and
+    ``accepted_per_position[i]`` are request ``request_ids[i]``'s)."""
+    row = {rid: i for i, rid in enumerate(request_ids)}
+    k = accepted_per_position.shape[1] if accepted_per_position.ndim == 2 else 0
+    per_record = np.zeros((len(records) + 1, 1 + k))
+    for j, record in enumerate(records, start=1):
+        i = row.get(record.request_id) if record_arm(record) == CANARY and record.ok else None
+        if i is not None:
+            per_record[j, 0] = drafts[i]
+            per_record[j, 1:] = accepted_per_position[i]
+    running = np.cumsum(per_record, axis=0)
+
+    def at(end: int) -> SpecDecodeStats:
+        d, positions = running[end, 0], running[end, 1:]
+        return SpecDecodeStats(
+            drafts=float(d), draft_tokens=float(d * k), accepted_tokens=float(positions.sum()),
+            accepted_per_position=tuple(float(x) for x in positions),
+        )
+
+    return at
 
 
 def run_accuracy_batches(

@@ -55,7 +55,6 @@ import numpy as np
 from scipy import optimize
 
 from cluster.arms import BASELINE, CANARY
-from cluster.metrics import SpecDecodeStats
 from loadtests.records import RequestRecord
 
 __all__ = [
@@ -234,13 +233,17 @@ def simulate_records(
     ``template`` is a valid record every simulated one is a copy of (the fields a
     simulation does not model keep its values).
     """
-    budget = int(2.5 * shape.requests_per_arm) + 4 * shape.users_per_arm
+    alternate = spec.scenario != "unequal_n"
+    # Sharing one alternating ticket sequence, an arm with requests_per_arm + every stream's
+    # request sent has completed the plan; on its own loop the faster arm sends more.
+    users = 2 * shape.users_per_arm
+    budget = shape.requests_per_arm + users + 2 if alternate else int(2.5 * shape.requests_per_arm) + 2 * users
     latencies = {
         arm: _arm_latencies(rng, budget, world, spec, shape, canary=(arm == CANARY)) for arm in (BASELINE, CANARY)
     }
     tokens = shape.output_tokens
     e2e = {arm: np.where(ok, ttft + tpot * (tokens - 1), world.error_latency_s) for arm, (ttft, tpot, ok) in latencies.items()}
-    times = _closed_loop(e2e, 2 * shape.users_per_arm, alternate=spec.scenario != "unequal_n")
+    times = _closed_loop(e2e, users, alternate=alternate)
     # Up to the moment both arms have completed the plan (plus the requests in flight then).
     enough = max(np.sort(done)[min(shape.requests_per_arm, done.size) - 1] for _, done in times.values())
     rows = []
@@ -275,22 +278,16 @@ def acceptance_rate_for_length(mean_length: float, k: int) -> float:
 
 def spec_decode_by_request(
     rng: np.random.Generator, n_requests: int, output_tokens: int, k: int, mean_length: float
-) -> list[SpecDecodeStats]:
-    """Counters of every request's decode steps: drafts until its output_tokens - 1 decode tokens are out."""
+) -> tuple[np.ndarray, np.ndarray]:
+    """Every request's decode steps until its output_tokens - 1 decode tokens are out:
+    (drafts per request, accepted tokens per request and draft position (n, k))."""
     r = acceptance_rate_for_length(mean_length, k)
     steps = max(output_tokens - 1, 1)
     accepted = np.cumprod(rng.random((n_requests, steps, k)) < r, axis=-1)  # position i only if all before it
     emitted = np.cumsum(1 + accepted.sum(axis=-1), axis=-1)
     drafts = np.minimum(np.argmax(emitted >= steps, axis=-1) + 1, steps)
     used = np.arange(steps)[None, :] < drafts[:, None]
-    per_position = (accepted * used[:, :, None]).sum(axis=1)
-    return [
-        SpecDecodeStats(
-            drafts=float(d), draft_tokens=float(d * k), accepted_tokens=float(p.sum()),
-            accepted_per_position=tuple(float(x) for x in p),
-        )
-        for d, p in zip(drafts, per_position)
-    ]
+    return drafts.astype(float), (accepted * used[:, :, None]).sum(axis=1).astype(float)
 
 
 # -- eval items ------------------------------------------------------------------------
