@@ -605,6 +605,9 @@ __all__ = [
 ]
 
 
+ROUTER_WATCH_NAME = "router"  # the router among the replicas in a phase's liveness answers
+
+
 class RouterClient:
     """The driver's side of one Router actor: its URL, weights, arms and counts (each call bounded)."""
 
@@ -634,6 +637,16 @@ class RouterClient:
 
     def state(self, timeout_s: float = 10) -> RouterState:
         return ray.get(self.actor.get_state.remote(), timeout=timeout_s)
+
+    def alive(self, timeout_s: float = 10) -> bool | None:
+        """True: the actor answers. False: it is gone (killed, its process died). None: no answer in time."""
+        try:
+            self.state(timeout_s)
+        except ray.exceptions.GetTimeoutError:
+            return None
+        except ray.exceptions.RayError:
+            return False
+        return True
 
     def request_counts(self, with_rejected: bool = True) -> dict[str, int]:
         """Requests the router received per arm (routed, + rejected when asked); {} when it does not answer."""

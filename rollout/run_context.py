@@ -19,7 +19,7 @@ import ray
 from cluster.arms import BASELINE, CANARY
 from cluster.engine_spec import EngineSpec
 from cluster.fleet import Fleet
-from cluster.router import RouterClient
+from cluster.router import ROUTER_WATCH_NAME, RouterClient
 from loadtests.options import TrafficOptions
 from loadtests.swarm import SwarmSpec
 from rollout.config import RolloutConfig
@@ -220,9 +220,11 @@ class RunContext:
         return True
 
     def replicas_alive(self) -> dict[str, bool | None]:
-        """Replica name -> alive (True), down (False) or no answer in time (None: the server, or its
-        actor, is silent; ReplicaWatch calls a long silence a stall)."""
+        """Replica name (and ROUTER) -> alive (True), down (False) or no answer in time (None: the
+        server, or its actor, is silent; ReplicaWatch calls a long silence a stall)."""
         alive: dict[str, bool | None] = {}
+        if self.router is not None:
+            alive[ROUTER_WATCH_NAME] = self.router.alive()
         if self.fleet is None:
             return alive
         for handle in self.fleet.replicas:

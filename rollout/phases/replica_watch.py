@@ -21,12 +21,19 @@ import math
 import time
 from collections.abc import Callable
 
+from cluster.router import ROUTER_WATCH_NAME as ROUTER
 from rollout.run_context import InfrastructureError
 
 POLL_EVERY_S = 5.0
 CONFIRMATIONS = 3
 CONFIRM_SPACING_S = 2.0
 STALL_AFTER_S = 45.0
+# alive() also answers for the router actor, under ROUTER (every other name is a replica's):
+# with it gone every request fails on both arms alike, and no verdict may come of that
+
+
+def _named(names: list[str]) -> str:
+    return ", ".join(name if name == ROUTER else f"replica {name}" for name in names)
 
 
 class ReplicaWatch:
@@ -88,14 +95,14 @@ class ReplicaWatch:
         dead = self.dead()
         if dead:
             raise InfrastructureError(
-                f"{self.phase}: replica {', '.join(dead)} died (no answer in {self.confirmations} consecutive "
+                f"{self.phase}: {_named(dead)} died (no answer in {self.confirmations} consecutive "
                 f"health polls); no verdict is built on the survivors"
             )
         stalled = self.stalled()
         if stalled:
             longest = max(self._silent_for(name) for name in stalled)
             raise InfrastructureError(
-                f"{self.phase}: replica {', '.join(stalled)} stalled (no answer to /health for {longest:.0f} s, "
+                f"{self.phase}: {_named(stalled)} stalled (no answer to /health for {longest:.0f} s, "
                 f"{self.confirmations}+ polls in a row); no verdict is built on it"
             )
 
