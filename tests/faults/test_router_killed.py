@@ -18,7 +18,8 @@ from benchmarks.stream_target import TargetProcess
 from cluster.router import ROUTER_WATCH_NAME, Router, RouterClient
 from rollout.config import ExperimentConfig
 from rollout.run_context import InfrastructureError
-from tests.test_experiment import GATES, run_phase
+from tests.faults.experiment_harness import run_experiment
+from tests.test_experiment import GATES
 
 
 @pytest.fixture(scope="module")
@@ -53,7 +54,7 @@ def test_a_router_killed_mid_experiment_ends_it_as_an_error(local_ray, tmp_path)
             client = RouterClient(router, url)
             with pytest.raises(InfrastructureError, match="experiment: router died") as error:
                 # what RunContext.replicas_alive answers for the router (replicas: no evidence here)
-                run_phase(tmp_path, router, url, exp, GATES, replicas_alive=lambda: {ROUTER_WATCH_NAME: client.alive()})
+                run_experiment(tmp_path, router, url, exp, GATES, replicas_alive=lambda: {ROUTER_WATCH_NAME: client.alive()})
         finally:
             stop.set()
     assert killed, "the load never flowed"

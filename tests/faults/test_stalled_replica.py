@@ -24,7 +24,8 @@ from rollout.config import ExperimentConfig
 from rollout.phases import replica_watch
 from rollout.run_context import InfrastructureError
 from rollout.store import RunStore
-from tests.test_experiment import GATES, routed, run_phase
+from tests.faults.experiment_harness import run_experiment
+from tests.test_experiment import GATES, routed
 
 
 @pytest.fixture(scope="module")
@@ -68,7 +69,7 @@ def test_a_baseline_stopped_mid_stream_ends_the_experiment_as_an_error_naming_it
         try:
             with routed(baseline.url, canary.url) as (router, url):
                 with pytest.raises(InfrastructureError, match=r"replica baseline-0 stalled \(no answer to /health"):
-                    run_phase(tmp_path, router, url, exp, GATES,
+                    run_experiment(tmp_path, router, url, exp, GATES,
                               replicas_alive=lambda: {name: health(u) for name, u in urls.items()})
         finally:
             stop.set()
