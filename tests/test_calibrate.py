@@ -297,6 +297,10 @@ def test_a_bad_config_is_one_line_and_exit_2(tmp_path, capsys):
     assert main(["--config", str(path), "--trials", "1"]) == 2
     err = capsys.readouterr().err.strip()
     assert "requests_per_look" in err and "\n" not in err
+    path.write_text("experiment: [unclosed\n")
+    assert main(["--config", str(path), "--trials", "1"]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "invalid YAML" in err and "\n" not in err
 
 
 # -- the simulated world's limits -------------------------------------------------------------

@@ -502,7 +502,10 @@ def _read_run_config(path: str) -> dict[str, Any]:
     import yaml
 
     with open(path, encoding="utf-8") as f:
-        data = yaml.safe_load(f)
+        try:
+            data = yaml.safe_load(f)
+        except yaml.YAMLError as exc:
+            raise ValueError(f"{path}: invalid YAML: {exc}") from None
     if not isinstance(data, dict):
         raise ValueError(f"{path}: a run config is a mapping")
     return data
