@@ -1,0 +1,86 @@
+"""Fault corpus: a Locust worker SIGKILLed mid-experiment.
+
+Its users' requests stop: the arms' counts and the records no longer mean the load the plan
+asked for. The phase must end as an error naming the worker (the controller's exit 1), not
+judge what the survivors sent; no Locust process may be left. Real Router actor, real Locust
+(its worker under a Ray actor), real SQLite; the replicas are the named benchmark target.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+import threading
+import time
+
+import psutil
+import pytest
+import ray
+
+from benchmarks.stream_target import TargetProcess
+from loadtests.swarm import SwarmError
+from rollout.config import ExperimentConfig
+from tests.faults.experiment_harness import run_experiment
+from tests.test_experiment import GATES, routed
+
+
+@pytest.fixture(scope="module")
+def local_ray():
+    ray.init(address="local", num_cpus=2, include_dashboard=False, logging_level=logging.WARNING, log_to_driver=False)
+    yield
+    ray.shutdown()
+
+
+def locust_of(router_url: str) -> tuple[psutil.Process | None, list[psutil.Process]]:
+    """This load's master (its --host is this test's router) and the workers of its port: no other
+    test's Locust on the machine is touched."""
+    master, port = None, None
+    for proc in psutil.process_iter(["cmdline"]):
+        cmd = proc.info["cmdline"] or []
+        if "locust" in cmd and "--master" in cmd and router_url in cmd:
+            master, port = proc, cmd[cmd.index("--master-bind-port") + 1]
+    workers = []
+    if port is not None:
+        for proc in psutil.process_iter(["cmdline"]):
+            cmd = proc.info["cmdline"] or []
+            if "locust" in cmd and "--worker" in cmd and cmd[cmd.index("--master-port") + 1] == port:
+                workers.append(proc)
+    return master, workers
+
+
+def test_a_locust_worker_killed_mid_experiment_ends_it_as_an_error_naming_it(local_ray, tmp_path):
+    exp = ExperimentConfig(requests_per_look=40, requests_per_arm=2000, window_s=1, users_per_replica=3, max_tokens=12,
+                           max_duration_s=240, workers=1, worker_placement="local")
+    with TargetProcess(ttft_ms=20, tpot_ms=20) as baseline, TargetProcess(ttft_ms=20, tpot_ms=10) as canary:
+        records = tmp_path / "experiment" / "records.jsonl"
+        stop = threading.Event()
+        killed: list[tuple[float, int]] = []
+        seen: dict[str, list[int]] = {}
+
+        def kill_the_worker_once_the_load_flows(url: str) -> None:
+            while not stop.is_set():
+                if records.exists() and records.read_text().count("\n") >= 20:
+                    master, workers = locust_of(url)
+                    if workers:
+                        seen["pids"] = [p.pid for p in [master, *workers] if p is not None]
+                        os.kill(workers[0].pid, signal.SIGKILL)
+                        killed.append((time.monotonic(), workers[0].pid))
+                        return
+                time.sleep(0.2)
+
+        with routed(baseline.url, canary.url) as (router, url):
+            killer = threading.Thread(target=kill_the_worker_once_the_load_flows, args=(url,), daemon=True)
+            killer.start()
+            try:
+                with pytest.raises(SwarmError, match=r"locust worker 0 died"):
+                    run_experiment(tmp_path, router, url, exp, GATES)
+            finally:
+                stop.set()
+    assert killed, "the load never flowed"
+    assert time.monotonic() - killed[0][0] < 60  # at once, not at max_duration_s
+    deadline = time.monotonic() + 15
+    while any(psutil.pid_exists(p) for p in seen["pids"]) and time.monotonic() < deadline:
+        time.sleep(0.5)
+    left = [p for p in seen["pids"] if psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE]
+    assert left == [], "Locust processes of this load outlived it"
