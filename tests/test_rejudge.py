@@ -167,3 +167,24 @@ def test_a_run_directory_without_its_decision_is_bad_input(tmp_path, capsys):
     assert rejudge.main([str(tmp_path)]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "decision.json" in err[0]
+
+
+def test_without_the_runs_looks_the_boundary_rule_places_them_on_the_records_clock():
+    """A bare records file: a look falls at the first record at which every arm has requests_per_look more
+    completed requests and window_s has passed on the records' completion clock (LookPlan.look_due)."""
+    from loadtests.records import RequestRecord
+    from rollout.judge.config import GatesConfig
+    from rollout.judge.experiment_looks import LookPlan, replay_looks
+
+    rows = []
+    for i in range(60):  # one pair every second, each request 0.5 s long
+        for arm in ("baseline", "canary"):
+            rows.append(RequestRecord(request_id=f"{arm}{i}", tag="experiment", worker="w", arm=arm, sent_at=float(i),
+                                      ttft_s=0.1, e2e_s=0.5, output_tokens=8, ok=True, status=200))
+    plan = LookPlan(requests_per_look=10, requests_per_arm=50, min_interval_s=15.0, min_looks=5, max_duration_s=1e9)
+    replay = replay_looks(rows, plan, GatesConfig(enabled=["sample_ratio"]), None, False)
+    # the window, not the count, is binding: look 1 at baseline 15's end (t=15.5: 16 vs 15 done), look 2 at
+    # baseline 30's (t=30.5), ... the information fraction is the least-served arm's share of the plan
+    assert [k.requests for k in replay.looks][:2] == [{"baseline": 16, "canary": 15}, {"baseline": 15, "canary": 15}]
+    assert [k.information for k in replay.looks][:2] == [pytest.approx(15 / 50), pytest.approx(30 / 50)]
+    assert replay.stopped_by in ("information", "end of records")
