@@ -41,7 +41,7 @@ from rollout.phases.experiment import Experiment
 from rollout.phases.progressive_steps import PHASE, run_progressive
 from rollout.result import RunResult
 from rollout.resume import ResumePoint
-from rollout.run_context import RunContext
+from rollout.run_context import InfrastructureError, RunContext
 from rollout.store import RunStore
 from tests.conftest import REPO, wait_gone, wait_no_server_processes
 from tests.progressive_harness import Harness, assert_split_within_a_block, locust_processes
@@ -355,6 +355,18 @@ def test_vllm_canary_killed_mid_step_is_aborted_within_one_window(tmp_path, rout
     assert committed["time"] <= outcome.rolled_back_at  # committed first, then acted on
     h.check_records()
     assert wait_gone(lambda: locust_processes(str(tmp_path))) == []
+
+def test_accuracy_over_a_dead_replica_ends_as_an_error_naming_it(fleet, router, tiny_model_dir, tiny_dtype, tmp_path):
+    """After the test above the canary's server is dead (SIGKILL); its actor lives. The accuracy phase's
+    requests to it fail fast: the replica watch between batches must name it, never judge the pairs."""
+    actor, url = router
+    ctx = phase_context(tmp_path, fleet, actor, url, tiny_model_dir, tiny_dtype, "acc-dead", eval_limit=64)
+    canary = fleet.handles("canary")[0]
+    assert ray.get(canary.actor.liveness.remote()) is False  # dead, as the test above left it
+    with pytest.raises(InfrastructureError, match="accuracy: replica canary-0 died"):
+        Accuracy().run(ctx)
+    assert ctx.result.decision is None  # no verdict on the survivor's answers
+
 
 def test_an_actor_killed_without_stopping_its_server_has_its_server_reaped(fleet):
     # last in the module (the canary's server was SIGKILLed above): the baseline's actor dies
