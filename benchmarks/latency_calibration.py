@@ -24,8 +24,9 @@ times the true ratio):
 
 Rows: the objective's pass rate with the TPOT ratio exactly at its threshold (0.90: a
 false promote, target <= alpha + 2 simulation SE), the TTFT p95 guard's pass rate with
-the TTFT ratio exactly at its limit (1.25), and the objective's power at ratios 0.7 and
-0.8 (target at 0.7: >= 0.9).
+the TTFT ratio exactly at its limit (1.25), the objective's power at ratios 0.7 and
+0.8 (target at 0.7: >= 0.9), and the TTFT guard's pass rate when TTFT is unchanged
+(PROMOTE needs every gate to pass, so this bounds the run's power; reported).
 
     .venv/bin/python benchmarks/latency_calibration.py [--trials 2000] [--seed 1] [--json]
 
@@ -42,6 +43,7 @@ import json
 import math
 import sys
 import time
+import zlib
 from collections.abc import Sequence
 from dataclasses import dataclass
 
@@ -96,6 +98,9 @@ SCENARIOS: tuple[Scenario, ...] = (
     Scenario("power_0.7_level_0.05", tpot_ratio=0.7, level_sd=0.05, kind="power"),
     Scenario("power_0.8_iid", tpot_ratio=0.8, kind="power"),
     Scenario("power_0.8_level_0.05", tpot_ratio=0.8, level_sd=0.05, kind="power"),
+    # PROMOTE needs every gate: how often the TTFT p95 guard clears 1.25 when nothing changed
+    Scenario("ttft_guard_power_1.0_iid", gate="ttft_p95_guard", tpot_ratio=0.7, kind="power"),
+    Scenario("ttft_guard_power_1.0_level_0.05", gate="ttft_p95_guard", tpot_ratio=0.7, level_sd=0.05, kind="power"),
 )
 
 
@@ -168,13 +173,15 @@ def run(trials: int, seed: int, scenarios: Sequence[Scenario] = SCENARIOS) -> di
     alpha = cfg.alpha
     alpha_se = math.sqrt(alpha * (1 - alpha) / trials)
     rows = []
-    for i, scenario in enumerate(scenarios):
+    for scenario in scenarios:
         started = time.perf_counter()
-        rate, se = pass_rate(scenario, trials, seed + i, cfg)
+        # a row's draws depend on its name, not its position: --only reproduces the full table's rows
+        rate, se = pass_rate(scenario, trials, seed * 100_003 + zlib.crc32(scenario.name.encode()), cfg)
         if scenario.kind == "error":
             target, ok = f"<= {alpha + 2 * alpha_se:.4f}", rate <= alpha + 2 * alpha_se
         else:
-            target, ok = (">= 0.9", rate >= 0.9) if scenario.tpot_ratio <= 0.7 else ("(reported)", True)
+            shown = scenario.gate == "tpot_p50_improvement" and scenario.tpot_ratio <= 0.7
+            target, ok = (">= 0.9", rate >= 0.9) if shown else ("(reported)", True)
         rows.append(
             {
                 "scenario": scenario.name,

@@ -69,3 +69,17 @@ def test_a_30_percent_tpot_improvement_is_shown_within_200_requests_per_arm(name
     (e.g. t on too few df, or no verdict before the last look) that nothing ever passes."""
     rate, _ = pass_rate(BY_NAME[name], POWER_TRIALS, seed=13)
     assert rate >= 0.9, f"{name}: power {rate:.3f}"
+
+
+def test_the_benchmark_prints_its_table_and_json(capsys):
+    """Rule: benchmarks/latency_calibration.py reports every row it runs, as a table and as JSON (the full-size
+    measurement the README quotes comes from it)."""
+    import json
+
+    from benchmarks.latency_calibration import main
+
+    assert main(["--trials", "4", "--only", "iid", "tick_1ms", "--json"]) == 0
+    result = json.loads(capsys.readouterr().out)
+    assert [row["scenario"] for row in result["rows"]] == ["iid", "tick_1ms"] and result["trials"] == 4
+    assert main(["--trials", "4", "--only", "power_0.7_iid"]) == 0
+    assert "power_0.7_iid" in capsys.readouterr().out
