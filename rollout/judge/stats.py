@@ -45,11 +45,12 @@ Latency quantile ratios -- exact order-statistic bounds, widened for blocks.
     the quantile is estimated cluster-robustly from per-block sums of the
     centred indicators (the quantile's influence function up to the density,
     which cancels), ``design_effect`` = that variance over the binomial one.
-    The rank band then becomes q -/+ t_{G-1, a} sqrt(deff q (1 - q) / n)
+    The rank band then becomes q -/+ t_{df, a} sqrt(deff q (1 - q) / n)
     (Woodruff 1952, "Confidence intervals for medians and other position
     measures", JASA 47:635-646; the survey-sampling interval for quantiles
-    under clustering, with t on G - 1 degrees of freedom), and the band used
-    is the wider of it and the exact one, so never narrower than iid.
+    under clustering), df the Welch-Satterthwaite combination of the two
+    arms' G - 1 (``welch_df``), and the band used is the wider of it and the
+    exact one, so never narrower than iid. Fewer than 2 blocks: no band.
     Ties from a measurement tick move each bound to the neighbouring distinct
     value (the latent latency of a tied value lies anywhere in its tick).
     The two arms' bounds are combined on the log scale by MOVER (Zou & Donner
