@@ -13,22 +13,20 @@ import logging
 import threading
 import time
 import urllib.request
-from contextlib import contextmanager
 
 import pytest
 import ray
 
 from benchmarks.stream_target import TargetProcess
-from cluster.router import Router, RouterClient
-from loadtests.options import TrafficOptions
+from cluster.router import RouterClient
 from loadtests.records import RequestRecord
-from loadtests.swarm import SwarmSpec, free_port
+from loadtests.swarm import free_port
 from rollout.config import ExperimentConfig
-from rollout.judge.config import GatesConfig
 from rollout.judge.verdicts import Verdict
-from rollout.phases.experiment_loop import LOAD_STOP_TIMEOUT_S, ExperimentContext, ExperimentPhase, LookPlan, duty_cycle
+from rollout.phases.experiment_loop import LookPlan, duty_cycle
 from rollout.run_context import InfrastructureError
 from rollout.store import RunStore
+from tests.experiment_harness import GATES, routed, run_experiment
 
 
 # -- pure parts -----------------------------------------------------------------
@@ -80,51 +78,6 @@ def local_ray():
     ray.shutdown()
 
 
-@contextmanager
-def routed(baseline_url: str, canary_url: str):
-    """A real Router actor over the two targets: (actor, url), stopped and killed at the end."""
-    router = Router.remote(initial_weights={"baseline": 100.0, "canary": 0.0}, seed=0)
-    try:
-        url = ray.get(router.start.remote())
-        ray.get(router.set_arms.remote({"baseline": [baseline_url], "canary": [canary_url]}))
-        yield router, url
-    finally:
-        ray.get(router.stop.remote())
-        ray.kill(router)
-
-
-def run_phase(tmp_path, router, router_url, exp: ExperimentConfig, gates: GatesConfig, web_port: int | None = None,
-              replicas_alive=lambda: {}):
-    store = RunStore(tmp_path / "history.db")
-    store.create_run("exp", "test", "target", {})
-    out = tmp_path / "experiment"
-    traffic = TrafficOptions(
-        dataset="synthetic", input_tokens="8", max_tokens=exp.max_tokens, model="target",
-        records=str(out / "records.jsonl"), ignore_eos=True, tag="experiment", arm_pin="baseline,canary", seed=1,
-    )
-    spec = SwarmSpec(
-        host=router_url, traffic=traffic, users=exp.users_per_replica * 2, run_time_s=int(exp.max_duration_s + 120),
-        n_workers=1, stop_timeout_s=LOAD_STOP_TIMEOUT_S, log_dir=out / "locust",
-        web_ui=web_port is not None, web_port=web_port or 8089,
-    )
-    lines: list[str] = []
-    phase = ExperimentPhase(
-        ExperimentContext(
-            run_id="exp", config=exp, gates=gates, store=store, swarm_spec=spec, placement="local",
-            scrape=lambda: {}, replica_arms={}, router=RouterClient(router, router_url), speculative_canary=False,
-            say=lines.append, event=lambda event, reason: None, aborted=lambda: False, replicas_alive=replicas_alive,
-        )
-    )
-    return phase.run(), store, lines
-
-
-# These tests are about when the phase looks and stops, so only the objective and a lenient error
-# guard judge: acceptance has no /metrics here, and the TTFT p95 guard would judge the CPU
-# contention of a slow machine (router, Locust and pytest on the same cores), not the targets.
-GATES = GatesConfig(min_acceptance_length=None, error_rate_max_increase=0.5, min_requests_per_arm=20,
-                    enabled=["tpot_p50_improvement", "error_rate_guard"])
-
-
 def verdicts(outcome) -> dict[str, Verdict]:
     return {g.name: g.verdict for g in outcome.gates}
 
@@ -137,16 +90,14 @@ def test_a_big_effect_stops_early_and_every_request_has_one_record(local_ray, tm
             TargetProcess(ttft_ms=20, tpot_ms=8, tpot_jitter=0.3, seed=2) as canary:
         with routed(baseline.url, canary.url) as (router, url):
             before = sum(RouterClient(router, url).request_counts().values())
-            outcome, store, lines = run_phase(tmp_path, router, url, exp, GATES)
+            outcome, store, lines = run_experiment(tmp_path, router, url, exp, GATES)
             received = sum(RouterClient(router, url).request_counts().values()) - before
     summary = outcome.summary
     assert verdicts(outcome)["tpot_p50_improvement"] == Verdict.PASS
-    # the objective is shown at an early look (ratio 0.4: upper bound ~0.55 at look 1's strict
-    # boundary, on a quiet machine), and the phase stops once the guardrails are shown too, long
-    # before the plan's end (a machine slowed to a quarter, its cores shared with other tests,
-    # adds client-side jitter that can leave look 1 short of the strict first boundary)
-    assert "pass" in [look["verdicts"]["tpot_p50_improvement"] for look in summary["looks"][:2]]
-    assert len(summary["looks"]) <= 3 and summary["planned_looks"] == 6, lines
+    # shown before the plan's end, and the phase stops there: not at look 1 (one look is one
+    # block, and a level shared by a look's requests cannot be told from the effect: the latency
+    # judge needs looks to compare), but with looks to spare
+    assert len(summary["looks"]) < summary["planned_looks"] == 6, lines
     assert summary["information"] < 1.0
     assert any("stopping early" in line for line in lines)
     # none lost between looks: every request the router received is one stored record
@@ -168,7 +119,7 @@ def test_a_small_effect_keeps_looking_to_the_plan(local_ray, tmp_path):
     with TargetProcess(ttft_ms=20, tpot_ms=20, tpot_jitter=0.3, seed=7) as baseline, \
             TargetProcess(ttft_ms=20, tpot_ms=17, tpot_jitter=0.3, seed=7) as canary:
         with routed(baseline.url, canary.url) as (router, url):
-            outcome, _, lines = run_phase(tmp_path, router, url, exp, GATES)
+            outcome, _, lines = run_experiment(tmp_path, router, url, exp, GATES)
     summary = outcome.summary
     looks = summary["looks"]
     assert len(looks) >= 2, lines
@@ -186,7 +137,7 @@ def test_the_wall_clock_cap_ends_the_phase_with_the_counts_in_the_reason(local_r
                            max_duration_s=12, workers=1, worker_placement="local")
     with TargetProcess(ttft_ms=20, tpot_ms=20) as baseline, TargetProcess(ttft_ms=20, tpot_ms=19) as canary:
         with routed(baseline.url, canary.url) as (router, url):
-            outcome, _, _ = run_phase(tmp_path, router, url, exp, GATES)
+            outcome, _, _ = run_experiment(tmp_path, router, url, exp, GATES)
     reason = outcome.capped_reason
     assert reason is not None and "max_duration_s (12 s)" in reason
     assert f"the plan needs {exp.requests_per_arm} per arm" in reason
@@ -220,7 +171,7 @@ def test_a_replica_that_dies_mid_phase_ends_it_as_an_error_naming_it_with_its_re
         try:
             with routed(baseline.url, canary.url) as (router, url):
                 with pytest.raises(InfrastructureError, match="replica baseline-0 died"):
-                    run_phase(tmp_path, router, url, exp, GATES, replicas_alive=alive)
+                    run_experiment(tmp_path, router, url, exp, GATES, replicas_alive=alive)
         finally:
             stop.set()
     # what arrived before the death is kept (a post-mortem has it), not judged into a verdict
@@ -251,7 +202,7 @@ def test_the_web_ui_stays_at_one_url_from_the_first_look_to_the_last(local_ray, 
             poller = threading.Thread(target=poll, daemon=True)
             poller.start()
             try:
-                outcome, store, _ = run_phase(tmp_path, router, url, exp, GATES, web_port=port)
+                outcome, store, _ = run_experiment(tmp_path, router, url, exp, GATES, web_port=port)
             finally:
                 done.set()
                 poller.join(10)

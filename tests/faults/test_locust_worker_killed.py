@@ -21,8 +21,7 @@ import ray
 from benchmarks.stream_target import TargetProcess
 from loadtests.swarm import SwarmError
 from rollout.config import ExperimentConfig
-from tests.faults.experiment_harness import run_experiment
-from tests.test_experiment import GATES, routed
+from tests.experiment_harness import GATES, routed, run_experiment
 
 
 @pytest.fixture(scope="module")

@@ -19,8 +19,7 @@ from cluster.metrics import parse_metrics
 from rollout.config import ExperimentConfig
 from rollout.judge.config import GatesConfig
 from rollout.judge.verdicts import Decision, Verdict, decide
-from tests.faults.experiment_harness import run_experiment
-from tests.test_experiment import routed
+from tests.experiment_harness import routed, run_experiment
 
 
 @pytest.fixture(scope="module")

@@ -18,8 +18,7 @@ from benchmarks.stream_target import TargetProcess
 from cluster.router import ROUTER_WATCH_NAME, Router, RouterClient
 from rollout.config import ExperimentConfig
 from rollout.run_context import InfrastructureError
-from tests.faults.experiment_harness import run_experiment
-from tests.test_experiment import GATES
+from tests.experiment_harness import GATES, run_experiment
 
 
 @pytest.fixture(scope="module")

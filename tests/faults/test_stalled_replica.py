@@ -24,8 +24,7 @@ from rollout.config import ExperimentConfig
 from rollout.phases import replica_watch
 from rollout.run_context import InfrastructureError
 from rollout.store import RunStore
-from tests.faults.experiment_harness import run_experiment
-from tests.test_experiment import GATES, routed
+from tests.experiment_harness import GATES, routed, run_experiment
 
 
 @pytest.fixture(scope="module")

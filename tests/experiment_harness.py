@@ -1,18 +1,42 @@
-"""The experiment phase over stand-in replicas with every seam of its context open (what the
-controller wires from its fleet: scrape, replica arms, liveness), for the fault corpus."""
+"""The experiment phase over stand-in replicas (benchmarks/stream_target.py) behind a real Router
+actor, with every seam of its context open (what the controller wires from its fleet: scrape,
+replica arms, liveness): for tests/test_experiment.py and the fault corpus (tests/faults/)."""
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from contextlib import contextmanager
 from typing import Any
 
-from cluster.router import RouterClient
+import ray
+
+from cluster.router import Router, RouterClient
 from loadtests.options import TrafficOptions
 from loadtests.swarm import SwarmSpec
 from rollout.config import ExperimentConfig
 from rollout.judge.config import GatesConfig
 from rollout.phases.experiment_loop import LOAD_STOP_TIMEOUT_S, ExperimentContext, ExperimentPhase
 from rollout.store import RunStore
+
+
+@contextmanager
+def routed(baseline_url: str, canary_url: str):
+    """A real Router actor over the two targets: (actor, url), stopped and killed at the end."""
+    router = Router.remote(initial_weights={"baseline": 100.0, "canary": 0.0}, seed=0)
+    try:
+        url = ray.get(router.start.remote())
+        ray.get(router.set_arms.remote({"baseline": [baseline_url], "canary": [canary_url]}))
+        yield router, url
+    finally:
+        ray.get(router.stop.remote())
+        ray.kill(router)
+
+
+# These tests are about when the phase looks and stops, so only the objective and a lenient error
+# guard judge: acceptance has no /metrics here, and the TTFT p95 guard would judge the CPU
+# contention of a slow machine (router, Locust and pytest on the same cores), not the targets.
+GATES = GatesConfig(min_acceptance_length=None, error_rate_max_increase=0.5, min_requests_per_arm=20,
+                    enabled=["tpot_p50_improvement", "error_rate_guard"])
 
 
 def run_experiment(
