@@ -366,6 +366,20 @@ def _why_no_bounds(
     return "", bb, cb
 
 
+def _point_values(b_now, c_now, q: float) -> tuple[float | None, float | None, float, bool]:
+    """(baseline ms, canary ms, log ratio estimate, whether ties widened a band) of the quantile now."""
+    point_b = b_now.band(q, 0.5) if b_now.sorted_values.size else None
+    point_c = c_now.band(q, 0.5) if c_now.sorted_values.size else None
+    has_data = point_b is not None and point_c is not None
+    log_estimate = stats.mover_log_ratio_bounds(point_b, point_c)[0] if has_data else math.nan
+
+    def ms(point) -> float | None:
+        return math.exp(point.log_estimate) * 1e3 if point and math.isfinite(point.log_estimate) else None
+
+    tie_widened = bool((point_b is not None and point_b.tie_widened) or (point_c is not None and point_c.tie_widened))
+    return ms(point_b), ms(point_c), float(log_estimate), tie_widened
+
+
 def _quantile_ratio_bounds(
     *,
     name: str,
@@ -421,16 +435,12 @@ def _quantile_ratio_bounds(
     _, upper = cumulative_bounds(np.full(n_looks, -np.inf), upper_own, usable)
     lowers = tuple(float(cumulative_bounds(row, np.full(n_looks, np.inf), usable)[0][-1]) for row in lower_own)
     assert b_now is not None and c_now is not None
-    has_data = b_now.sorted_values.size > 0 and c_now.sorted_values.size > 0
-    point_b = b_now.band(q, 0.5) if b_now.sorted_values.size else None
-    point_c = c_now.band(q, 0.5) if c_now.sorted_values.size else None
-    log_estimate = stats.mover_log_ratio_bounds(point_b, point_c)[0] if has_data else math.nan
-    tie_widened = bool((point_b is not None and point_b.tie_widened) or (point_c is not None and point_c.tie_widened))
+    baseline_ms, canary_ms, log_estimate, tie_widened = _point_values(b_now, c_now, q)
     return _QuantileRatioBounds(
         name=name,
         metric=metric,
-        baseline_ms=math.exp(point_b.log_estimate) * 1e3 if point_b and math.isfinite(point_b.log_estimate) else None,
-        canary_ms=math.exp(point_c.log_estimate) * 1e3 if point_c and math.isfinite(point_c.log_estimate) else None,
+        baseline_ms=baseline_ms,
+        canary_ms=canary_ms,
         log_threshold=math.log(threshold),
         threshold=threshold,
         log_estimate=float(log_estimate),
