@@ -89,7 +89,8 @@ def test_local_cpu_default_promotes_with_a_full_decision_record(tmp_path):
     assert "## Speedup vs load" in report
     # One load for the whole experiment: looks by requests, no gaps, none lost between looks.
     exp = doc["experiment"]
-    assert exp["stopped_by"] == "evidence" and exp["duty_cycle"] >= 0.95, exp
+    # decided by the plan's end (by evidence, or at information 1), not by the wall-clock cap
+    assert exp["stopped_by"] in ("evidence", "information") and exp["duty_cycle"] >= 0.95, exp
     assert exp["requests_received"] == exp["records_stored"] > 0
     assert [look["look"] for look in exp["looks"]] == list(range(1, len(exp["looks"]) + 1))
     assert all(n >= 40 for look in exp["looks"][:-1] for n in look["requests"].values())

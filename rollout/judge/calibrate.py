@@ -109,7 +109,7 @@ DEMO_RUN_CONFIG: dict[str, Any] = {
         "max_duration_s": 480.0, "users_per_replica": 2, "max_tokens": 32,
     },
     "gates": {
-        "alpha": 0.05, "accuracy_margin": 0.05, "divergence_margin": 0.05, "tpot_p50_min_improvement": 0.10,
+        "alpha": 0.05, "accuracy_margin": 0.05, "divergence_margin": 0.05, "tpot_p50_min_improvement": 0.0,
         "ttft_p95_max_ratio": 3.5, "error_rate_max_increase": 0.05, "min_acceptance_length": 1.5,
         "min_requests_per_arm": 30, "min_eval_items": 16,
     },
