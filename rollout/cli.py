@@ -412,9 +412,11 @@ def main(argv: list[str] | None = None) -> int:
 
         return router_command.main(argv[1:])
     if argv[:1] == ["calibrate"]:
+        from rollout.config import load_config
         from rollout.judge import calibrate
 
-        return calibrate.main(argv[1:])
+        # the house loader: --config is validated as `run` validates it (one line naming the field)
+        return calibrate.main(argv[1:], load_run_config=lambda path: load_config(path).model_dump(mode="json"))
     if argv[:1] == ["judge"]:
         from rollout import rejudge
 

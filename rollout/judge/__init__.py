@@ -3,10 +3,13 @@
 Kayenta's rule, kept strictly: no I/O, no clocks and no state. The controller
 calls the judges after every window (look k of ``max_looks`` planned looks)
 with everything measured so far, and stops when ``verdicts.is_final`` says so.
-The statistics live in ``rollout.judge.stats``; ``latency``, ``accuracy`` and
-``acceptance`` turn their intervals into verdicts (``looks`` holds what they
-share), ``guards`` judges the progressive phase's windows, and ``calibrate``
-measures the error rates of all of it by simulation:
+The statistics live in ``rollout.judge.stats``; ``latency``, ``accuracy``,
+``acceptance`` and ``sample_ratio`` turn their intervals into verdicts (``looks``
+holds what they share), ``experiment_looks`` is the experiment's look rule and
+per-look judging (the controller, ``mtp-canary judge`` and calibrate share it),
+``guards`` judges the progressive phase's windows, and ``calibrate`` (with
+``calibration_trial`` and the simulated worlds of ``scenarios``) measures the
+error rates of all of it by simulation, through the same functions:
 
 * PASS      the confidence bound on the good side clears the threshold;
 * FAIL      the bound on the bad side is past the threshold (or an
@@ -33,6 +36,6 @@ worse); error and divergence differences are canary - reference. Swapping the
 arms mirrors every estimate and interval.
 
 Import rule: modules here import only each other, numpy, scipy, pydantic and the
-plain-data modules ``cluster.metrics`` and ``loadtests.records`` (and the percentile
+plain-data modules ``cluster.arms``, ``cluster.metrics`` and ``loadtests.records`` (and the percentile
 helpers of ``loadtests.health``); nothing else of ``rollout``, nothing of Ray, HTTP or SQLite.
 """

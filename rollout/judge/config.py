@@ -86,7 +86,7 @@ class GatesConfig(pydantic.BaseModel, extra="forbid"):
         ge=1,
         le=stats.MAX_PLANNED_LOOKS,
         description="Planned equal looks over which alpha is spent when a judge is called without information "
-        "fractions (calibrate's simulated design). The experiment plans its own looks "
+        "fractions (a direct call of a judge). The experiment plans its own looks "
         "(experiment.requests_per_arm / requests_per_look) and spends alpha at the observed information fractions. "
         "Looks past this number reuse the last boundary and are outside the error guarantee.",
     )
