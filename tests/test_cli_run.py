@@ -172,6 +172,9 @@ def test_sigint_mid_run_leaves_no_vllm_locust_or_ray_process(tmp_path):
             [sys.executable, "-m", "rollout", "run", str(config), "--runs-dir", str(runs), "--run-id", "intr", *LOCAL_RAY],
             cwd=REPO, stdout=out, stderr=subprocess.STDOUT, start_new_session=True,
             env={**os.environ, "PYTHONUNBUFFERED": "1"},
+            # as a terminal's foreground job gets it: a test session started in the background
+            # (`make test &`) ignores SIGINT, and a child inherits that (Python then leaves it ignored)
+            preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL),
         )
     try:
         deadline = time.monotonic() + 600
