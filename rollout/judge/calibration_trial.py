@@ -63,25 +63,7 @@ def look_ends(records: Sequence[RequestRecord], plan: LookPlan) -> list[int]:
     plan is reached, and ``min_interval_s`` passed); a simulated controller looks the
     moment the rule holds (a live one at its next 0.25 s tick, a few records later).
     """
-    if not records:
-        return []
-    start = min(r.sent_at for r in records)
-    last_look_at, clock, ends = start, start, []
-    new = {arm: 0 for arm in experiment_looks.ARMS}
-    totals = dict(new)
-    for i, record in enumerate(records):
-        clock = max(clock, record.sent_at + record.e2e_s)
-        arm = record_arm(record)
-        if arm in new and not record.cancelled:
-            new[arm] += 1
-            totals[arm] += 1
-        capped = clock - start >= plan.max_duration_s
-        if plan.look_due(new, totals, clock - last_look_at) or (capped and any(new.values())):
-            ends.append(i + 1)
-            last_look_at, new = clock, {arm: 0 for arm in experiment_looks.ARMS}
-        if capped:
-            break
-    return ends
+    return experiment_looks.look_ends_by_rule(records, plan)
 
 
 def run_experiment_looks(

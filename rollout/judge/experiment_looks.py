@@ -57,6 +57,7 @@ __all__ = [
     "judge_look",
     "stop_after",
     "replay_looks",
+    "look_ends_by_rule",
 ]
 
 ARMS = (BASELINE, CANARY)
@@ -194,7 +195,7 @@ class Replay:
         return self.looks[-1].gates if self.looks else []
 
 
-def _boundaries_by_rule(records: Sequence[RequestRecord], plan: LookPlan) -> list[int]:
+def look_ends_by_rule(records: Sequence[RequestRecord], plan: LookPlan) -> list[int]:
     """End index (exclusive) of every look the controller's boundary rule would make, records in arrival order.
 
     The clock is the records' completion times; the phase starts at the first send.
@@ -253,7 +254,7 @@ def replay_looks(
     ones at every look (per-look counters are not stored). Records after the last
     look are not judged, as in the run.
     """
-    ends = _boundaries_by_counts(records, stored_counts) if stored_counts is not None else _boundaries_by_rule(records, plan)
+    ends = _boundaries_by_counts(records, stored_counts) if stored_counts is not None else look_ends_by_rule(records, plan)
     replay = Replay()
     looks_of: list[int] = []
     fractions: list[float] = []
