@@ -4,8 +4,11 @@ replica arms, liveness): for tests/test_experiment.py and the fault corpus (test
 
 from __future__ import annotations
 
-from collections.abc import Callable
+import threading
+import time
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from pathlib import Path
 from typing import Any
 
 import ray
@@ -30,6 +33,29 @@ def routed(baseline_url: str, canary_url: str):
     finally:
         ray.get(router.stop.remote())
         ray.kill(router)
+
+
+@contextmanager
+def once_the_load_flows(records: Path, act: Callable[[], bool | None], min_records: int = 20) -> Iterator[list[float]]:
+    """Call `act` once `records` holds `min_records` records (mid-load on a machine of any speed), again
+    at each poll while it returns False; yields the list that gets the monotonic time it acted at."""
+    acted: list[float] = []
+    stop = threading.Event()
+
+    def watch() -> None:
+        while not stop.is_set():
+            if records.exists() and records.read_text().count("\n") >= min_records and act() is not False:
+                acted.append(time.monotonic())
+                return
+            time.sleep(0.2)
+
+    watcher = threading.Thread(target=watch, daemon=True)
+    watcher.start()
+    try:
+        yield acted
+    finally:
+        stop.set()
+        watcher.join(5)
 
 
 # These tests are about when the phase looks and stops, so only the objective and a lenient error

@@ -26,7 +26,7 @@ from rollout.judge.verdicts import Verdict
 from rollout.phases.experiment_loop import LookPlan, duty_cycle
 from rollout.run_context import InfrastructureError
 from rollout.store import RunStore
-from tests.experiment_harness import GATES, routed, run_experiment
+from tests.experiment_harness import GATES, once_the_load_flows, routed, run_experiment
 
 
 # -- pure parts -----------------------------------------------------------------
@@ -157,23 +157,12 @@ def test_a_replica_that_dies_mid_phase_ends_it_as_an_error_naming_it_with_its_re
             return {name: proc.poll() is None for name, proc in servers.items()}
 
         records = tmp_path / "experiment" / "records.jsonl"
-        stop = threading.Event()
-
-        def kill_once_the_load_flows() -> None:  # mid-phase on any machine: after records exist
-            while not stop.is_set():
-                if records.exists() and records.read_text().count("\n") >= 20:
-                    servers["baseline-0"].kill()
-                    return
-                time.sleep(0.2)
-
-        killer = threading.Thread(target=kill_once_the_load_flows, daemon=True)
-        killer.start()
-        try:
+        # mid-phase on any machine: after records exist
+        with once_the_load_flows(records, servers["baseline-0"].kill) as killed:
             with routed(baseline.url, canary.url) as (router, url):
                 with pytest.raises(InfrastructureError, match="replica baseline-0 died"):
                     run_experiment(tmp_path, router, url, exp, GATES, replicas_alive=alive)
-        finally:
-            stop.set()
+        assert killed
     # what arrived before the death is kept (a post-mortem has it), not judged into a verdict
     store = RunStore(tmp_path / "history.db")
     assert store.count_request_samples("exp", "experiment") > 0

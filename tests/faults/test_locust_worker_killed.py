@@ -8,27 +8,17 @@ judge what the survivors sent; no Locust process may be left. Real Router actor,
 
 from __future__ import annotations
 
-import logging
 import os
 import signal
-import threading
 import time
 
 import psutil
 import pytest
-import ray
 
 from benchmarks.stream_target import TargetProcess
 from loadtests.swarm import SwarmError
 from rollout.config import ExperimentConfig
-from tests.experiment_harness import GATES, routed, run_experiment
-
-
-@pytest.fixture(scope="module")
-def local_ray():
-    ray.init(address="local", num_cpus=2, include_dashboard=False, logging_level=logging.WARNING, log_to_driver=False)
-    yield
-    ray.shutdown()
+from tests.experiment_harness import GATES, once_the_load_flows, routed, run_experiment
 
 
 def locust_of(router_url: str) -> tuple[psutil.Process | None, list[psutil.Process]]:
@@ -53,31 +43,22 @@ def test_a_locust_worker_killed_mid_experiment_ends_it_as_an_error_naming_it(loc
                            max_duration_s=240, workers=1, worker_placement="local")
     with TargetProcess(ttft_ms=20, tpot_ms=20) as baseline, TargetProcess(ttft_ms=20, tpot_ms=10) as canary:
         records = tmp_path / "experiment" / "records.jsonl"
-        stop = threading.Event()
-        killed: list[tuple[float, int]] = []
         seen: dict[str, list[int]] = {}
-
-        def kill_the_worker_once_the_load_flows(url: str) -> None:
-            while not stop.is_set():
-                if records.exists() and records.read_text().count("\n") >= 20:
-                    master, workers = locust_of(url)
-                    if workers:
-                        seen["pids"] = [p.pid for p in [master, *workers] if p is not None]
-                        os.kill(workers[0].pid, signal.SIGKILL)
-                        killed.append((time.monotonic(), workers[0].pid))
-                        return
-                time.sleep(0.2)
-
         with routed(baseline.url, canary.url) as (router, url):
-            killer = threading.Thread(target=kill_the_worker_once_the_load_flows, args=(url,), daemon=True)
-            killer.start()
-            try:
+
+            def kill_the_worker() -> bool:
+                master, workers = locust_of(url)
+                if not workers:
+                    return False  # not up yet: look again at the next poll
+                seen["pids"] = [p.pid for p in [master, *workers] if p is not None]
+                os.kill(workers[0].pid, signal.SIGKILL)
+                return True
+
+            with once_the_load_flows(records, kill_the_worker) as killed:
                 with pytest.raises(SwarmError, match=r"locust worker 0 died"):
                     run_experiment(tmp_path, router, url, exp, GATES)
-            finally:
-                stop.set()
     assert killed, "the load never flowed"
-    assert time.monotonic() - killed[0][0] < 60  # at once, not at max_duration_s
+    assert time.monotonic() - killed[0] < 60  # at once, not at max_duration_s
     deadline = time.monotonic() + 15
     while any(psutil.pid_exists(p) for p in seen["pids"]) and time.monotonic() < deadline:
         time.sleep(0.5)

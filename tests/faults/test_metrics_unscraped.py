@@ -8,10 +8,7 @@ the scrape over real HTTP; the replicas are the named benchmark target, whose /m
 
 from __future__ import annotations
 
-import logging
 
-import pytest
-import ray
 import requests
 
 from benchmarks.stream_target import TargetProcess
@@ -20,13 +17,6 @@ from rollout.config import ExperimentConfig
 from rollout.judge.config import GatesConfig
 from rollout.judge.verdicts import Decision, Verdict, decide
 from tests.experiment_harness import routed, run_experiment
-
-
-@pytest.fixture(scope="module")
-def local_ray():
-    ray.init(address="local", num_cpus=2, include_dashboard=False, logging_level=logging.WARNING, log_to_driver=False)
-    yield
-    ray.shutdown()
 
 
 def scrape_like_the_fleet(urls: dict[str, str]):

@@ -7,8 +7,6 @@ the replicas are the named benchmark target (benchmarks/stream_target.py).
 
 from __future__ import annotations
 
-import logging
-import threading
 import time
 
 import pytest
@@ -18,14 +16,7 @@ from benchmarks.stream_target import TargetProcess
 from cluster.router import ROUTER_WATCH_NAME, Router, RouterClient
 from rollout.config import ExperimentConfig
 from rollout.run_context import InfrastructureError
-from tests.experiment_harness import GATES, run_experiment
-
-
-@pytest.fixture(scope="module")
-def local_ray():
-    ray.init(address="local", num_cpus=2, include_dashboard=False, logging_level=logging.WARNING, log_to_driver=False)
-    yield
-    ray.shutdown()
+from tests.experiment_harness import GATES, once_the_load_flows, run_experiment
 
 
 def test_a_router_killed_mid_experiment_ends_it_as_an_error(local_ray, tmp_path):
@@ -36,25 +27,10 @@ def test_a_router_killed_mid_experiment_ends_it_as_an_error(local_ray, tmp_path)
         url = ray.get(router.start.remote())
         ray.get(router.set_arms.remote({"baseline": [baseline.url], "canary": [canary.url]}))
         records = tmp_path / "experiment" / "records.jsonl"
-        stop = threading.Event()
-        killed: list[float] = []
-
-        def kill_once_the_load_flows() -> None:
-            while not stop.is_set():
-                if records.exists() and records.read_text().count("\n") >= 20:
-                    ray.kill(router)
-                    killed.append(time.monotonic())
-                    return
-                time.sleep(0.2)
-
-        killer = threading.Thread(target=kill_once_the_load_flows, daemon=True)
-        killer.start()
-        try:
-            client = RouterClient(router, url)
+        client = RouterClient(router, url)
+        with once_the_load_flows(records, lambda: ray.kill(router)) as killed:
             with pytest.raises(InfrastructureError, match="experiment: router died") as error:
                 # what RunContext.replicas_alive answers for the router (replicas: no evidence here)
                 run_experiment(tmp_path, router, url, exp, GATES, replicas_alive=lambda: {ROUTER_WATCH_NAME: client.alive()})
-        finally:
-            stop.set()
     assert killed, "the load never flowed"
     assert time.monotonic() - killed[0] < 60, error.value  # seen within a few polls, not at the cap

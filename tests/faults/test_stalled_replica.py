@@ -9,14 +9,10 @@ whose /health stops answering when the process is stopped, as vLLM's does.
 
 from __future__ import annotations
 
-import logging
 import os
 import signal
-import threading
-import time
 
 import pytest
-import ray
 import requests
 
 from benchmarks.stream_target import TargetProcess
@@ -24,14 +20,7 @@ from rollout.config import ExperimentConfig
 from rollout.phases import replica_watch
 from rollout.run_context import InfrastructureError
 from rollout.store import RunStore
-from tests.experiment_harness import GATES, routed, run_experiment
-
-
-@pytest.fixture(scope="module")
-def local_ray():
-    ray.init(address="local", num_cpus=2, include_dashboard=False, logging_level=logging.WARNING, log_to_driver=False)
-    yield
-    ray.shutdown()
+from tests.experiment_harness import GATES, once_the_load_flows, routed, run_experiment
 
 
 def health(url: str) -> bool | None:
@@ -52,26 +41,14 @@ def test_a_baseline_stopped_mid_stream_ends_the_experiment_as_an_error_naming_it
     with TargetProcess(ttft_ms=20, tpot_ms=20) as baseline, TargetProcess(ttft_ms=20, tpot_ms=10) as canary:
         urls = {"baseline-0": baseline.url, "canary-0": canary.url}
         records = tmp_path / "experiment" / "records.jsonl"
-        stop = threading.Event()
-        stopped_at: list[float] = []
-
-        def stop_once_the_load_flows() -> None:  # mid-stream on any machine: after records exist
-            while not stop.is_set():
-                if records.exists() and records.read_text().count("\n") >= 20:
-                    os.kill(baseline._process.pid, signal.SIGSTOP)
-                    stopped_at.append(time.monotonic())
-                    return
-                time.sleep(0.2)
-
-        stopper = threading.Thread(target=stop_once_the_load_flows, daemon=True)
-        stopper.start()
         try:
-            with routed(baseline.url, canary.url) as (router, url):
-                with pytest.raises(InfrastructureError, match=r"replica baseline-0 stalled \(no answer to /health"):
-                    run_experiment(tmp_path, router, url, exp, GATES,
-                              replicas_alive=lambda: {name: health(u) for name, u in urls.items()})
+            # mid-stream on any machine: after records exist
+            with once_the_load_flows(records, lambda: os.kill(baseline._process.pid, signal.SIGSTOP)) as stopped_at:
+                with routed(baseline.url, canary.url) as (router, url):
+                    with pytest.raises(InfrastructureError, match=r"replica baseline-0 stalled \(no answer to /health"):
+                        run_experiment(tmp_path, router, url, exp, GATES,
+                                       replicas_alive=lambda: {name: health(u) for name, u in urls.items()})
         finally:
-            stop.set()
             os.kill(baseline._process.pid, signal.SIGCONT)  # so that the target's own teardown can stop it
     assert stopped_at, "the load never flowed"
     store = RunStore(tmp_path / "history.db")
