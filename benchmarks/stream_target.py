@@ -27,7 +27,7 @@ x-mtp-canary-arm get it echoed back, like the router's arm pinning; otherwise th
 
 Faults, for the router's tests and benchmarks: --fail-status 500 answers every /v1
 request with that status (an OpenAI error body); --hang accepts every /v1 request and
-never answers. --api-key KEY answers 401 to a /v1 request without `Authorization: Bearer KEY`,
+never answers. --metrics-status 500 answers /metrics with that status. --api-key KEY answers 401 to a /v1 request without `Authorization: Bearer KEY`,
 as vLLM started with --api-key does.
 """
 
@@ -118,10 +118,11 @@ class StreamTarget:
     def __init__(
         self, schedule: TokenSchedule, arm: str | None = None, replica: str | None = None,
         tpot_jitter: float = 0.0, seed: int = 0, fail_status: int | None = None, hang: bool = False,
-        api_key: str | None = None,
+        api_key: str | None = None, metrics_status: int = 200,
     ) -> None:
         self.schedule = schedule
         self.api_key = api_key
+        self.metrics_status = metrics_status
         self.fail_status = fail_status
         self.hang = hang
         # log-sd of a per-request TPOT multiplier (0: every request exactly on the schedule):
@@ -143,7 +144,14 @@ class StreamTarget:
         app.router.add_get("/health", self.health)
         app.router.add_get("/stats", self.stats_json)
         app.router.add_get("/timings", self.timings_json)
+        app.router.add_get("/metrics", self.metrics)
         return app
+
+    async def metrics(self, _request: web.Request) -> web.Response:
+        """A Prometheus page with no spec-decode counters, or the --metrics-status fault."""
+        if self.metrics_status != 200:
+            return web.Response(status=self.metrics_status, text="metrics exporter fails on purpose")
+        return web.Response(text="# stream target: no vLLM counters\n")
 
     async def health(self, _request: web.Request) -> web.Response:
         return web.Response(text="ok")
@@ -302,6 +310,7 @@ class TargetProcess:
         fail_status: int | None = None,
         hang: bool = False,
         api_key: str | None = None,
+        metrics_status: int = 200,
     ) -> None:
         self._command = [python, str(Path(__file__).resolve()), "--port", "0", "--ttft-ms", str(ttft_ms),
                          "--tpot-ms", str(tpot_ms), "--tokens-per-chunk", str(tokens_per_chunk)]
@@ -317,6 +326,8 @@ class TargetProcess:
             self._command += ["--hang"]
         if api_key:
             self._command += ["--api-key", api_key]
+        if metrics_status != 200:
+            self._command += ["--metrics-status", str(metrics_status)]
         self._start_timeout_s = start_timeout_s
         self._process: subprocess.Popen[str] | None = None
         self.url = ""
@@ -371,6 +382,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--fail-status", type=int, default=None, help="answer every /v1 request with this status")
     parser.add_argument("--hang", action="store_true", help="accept every /v1 request and never answer")
     parser.add_argument("--api-key", default=None, help="401 to a /v1 request without Authorization: Bearer KEY")
+    parser.add_argument("--metrics-status", type=int, default=200, help="answer /metrics with this status (a fault)")
     return parser.parse_args(argv)
 
 
@@ -380,7 +392,7 @@ async def serve(args: argparse.Namespace) -> None:
     target = StreamTarget(
         TokenSchedule(args.ttft_ms / 1000.0, args.tpot_ms / 1000.0, args.tokens_per_chunk), args.arm, args.replica,
         tpot_jitter=args.tpot_jitter, seed=args.seed, fail_status=args.fail_status, hang=args.hang,
-        api_key=args.api_key,
+        api_key=args.api_key, metrics_status=args.metrics_status,
     )
     runner = web.AppRunner(target.app(), access_log=None)
     await runner.setup()

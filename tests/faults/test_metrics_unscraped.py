@@ -1,9 +1,9 @@
-"""Fault corpus: the canary's /metrics cannot be scraped (it answers an error) during the experiment.
+"""Fault corpus: the canary's /metrics answers 500 during the experiment.
 
 Acceptance then is unknown, not zero and not fine: the acceptance gate stays INCONCLUSIVE and
 the run cannot PROMOTE, however good the latency. Real Router actor, real Locust, real SQLite,
-the scrape over real HTTP; the replicas are the named benchmark target, whose /metrics answers
-404 (an error, as a broken exporter's 500 is).
+the scrape over real HTTP; the replicas are the named benchmark target, the canary's with its
+/metrics fault (--metrics-status 500).
 """
 
 from __future__ import annotations
@@ -41,9 +41,9 @@ def test_an_unscrapable_canary_leaves_acceptance_open_and_the_run_unpromoted(loc
                            max_duration_s=240, workers=1, worker_placement="local")
     gates = GatesConfig(min_acceptance_length=1.5, error_rate_max_increase=0.5, min_requests_per_arm=20,
                         enabled=["tpot_p50_improvement", "error_rate_guard", "acceptance_length_floor"])
-    with TargetProcess(ttft_ms=20, tpot_ms=20) as baseline, TargetProcess(ttft_ms=20, tpot_ms=8) as canary:
+    with TargetProcess(ttft_ms=20, tpot_ms=20) as baseline, TargetProcess(ttft_ms=20, tpot_ms=8, metrics_status=500) as canary:
         scrape = scrape_like_the_fleet({"baseline-0": baseline.url, "canary-0": canary.url})
-        assert scrape() == {}  # the fault: neither answers /metrics
+        assert set(scrape()) == {"baseline-0"}  # the fault: the canary's /metrics answers 500
         with routed(baseline.url, canary.url) as (router, url):
             outcome, _, _ = run_experiment(tmp_path, router, url, exp, gates, scrape=scrape,
                                            replica_arms={"baseline-0": "baseline", "canary-0": "canary"},
