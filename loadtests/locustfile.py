@@ -348,8 +348,12 @@ class LLMStreamUser(User):
             except Exception as exc:  # the requests themselves will show what is wrong
                 logger.warning("could not read the model name from %s/v1/models: %s", self.host, exc)
         self._due_at: float | None = None
+        self._arm = traffic.join()
 
     def on_stop(self) -> None:
+        traffic = _process.traffic
+        if traffic is not None:
+            traffic.leave(getattr(self, "_arm", None))
         client = getattr(self, "client", None)
         if client is not None:
             client.close()
@@ -368,7 +372,7 @@ class LLMStreamUser(User):
         ends_at = traffic.ends_at
         if ends_at is not None and time.time() >= ends_at:
             raise StopUser()  # the profile is over: the shape stops the test at its next tick
-        ticket = traffic.next_ticket()
+        ticket = traffic.next_ticket(getattr(self, "_arm", None))
         if ends_at is not None and ticket.scheduled_at is not None and ticket.scheduled_at >= ends_at:
             raise StopUser()
         if ticket.scheduled_at is not None:

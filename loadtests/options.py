@@ -57,6 +57,12 @@ class TrafficOptions(BaseModel):
         description="pin requests to arms via x-mtp-canary-arm; a comma list (baseline,canary) "
         "sends every prompt to each arm in turn",
     )
+    arm_users: bool = Field(
+        False,
+        description="with a comma --mtp-arm-pin: each user keeps one arm (the arm with the fewest users when it "
+        "starts) and every arm walks the same prompt sequence at its own pace, so each arm carries the same "
+        "number of streams at every moment (default: each request takes the next arm in turn)",
+    )
     rate: float | None = Field(None, gt=0, description="open loop: total requests/s over all workers (default: closed loop)")
     arrival: ArrivalKind = Field("poisson", description="open-loop arrivals: poisson, constant or gamma")
     burstiness: float = Field(1.0, gt=0, description="gamma arrivals: shape (1 = Poisson, <1 burstier)")
@@ -102,6 +108,8 @@ class TrafficOptions(BaseModel):
             LengthDistribution.parse(self.synthetic_output_tokens)
         if self.arm_pin is not None and not self.pinned_arms:
             raise ValueError("--mtp-arm-pin names no arm")
+        if self.arm_users and len(self.pinned_arms) < 2:
+            raise ValueError("--mtp-arm-users needs --mtp-arm-pin with two or more arms")
         if self.steps is not None and self.ramp is not None:
             raise ValueError("--mtp-steps and --mtp-ramp exclude each other")
         self.profile  # noqa: B018 - parses the profile: a bad one is refused here

@@ -71,13 +71,34 @@ class TrafficShare:
         # resolved once per process from /v1/models when the options name no model
         self.model: str | None = options.model
         self._issued = 0
+        arms = options.pinned_arms
+        self._users_by_arm = {arm: 0 for arm in arms}
+        self._issued_by_arm = {arm: 0 for arm in arms}
 
-    def next_ticket(self) -> RequestTicket:
+    def join(self) -> str | None:
+        """A user starts: with `arm_users`, the arm it keeps (the one with the fewest users now)."""
+        if not self.options.arm_users:
+            return None
+        arm = min(self._users_by_arm, key=lambda a: (self._users_by_arm[a], self.options.pinned_arms.index(a)))
+        self._users_by_arm[arm] += 1
+        return arm
+
+    def leave(self, arm: str | None) -> None:
+        if arm is not None and self._users_by_arm.get(arm, 0) > 0:
+            self._users_by_arm[arm] -= 1
+
+    def next_ticket(self, user_arm: str | None = None) -> RequestTicket:
         sequence = self._issued
         self._issued += 1
         arms = self.options.pinned_arms
-        # with pinned arms every prompt goes to each arm in turn: both arms see the same prompts
-        prompt_number, arm_number = divmod(sequence, len(arms)) if arms else (sequence, 0)
+        if user_arm is not None:
+            # the user keeps its arm; every arm walks the same prompts (prompt k is its k-th request), so
+            # both arms see the same prompts while each carries the same number of streams
+            prompt_number, arm_number = self._issued_by_arm[user_arm], arms.index(user_arm)
+            self._issued_by_arm[user_arm] += 1
+        else:
+            # with pinned arms every prompt goes to each arm in turn: both arms see the same prompts
+            prompt_number, arm_number = divmod(sequence, len(arms)) if arms else (sequence, 0)
         prompt = self.prompts.prompt(self.plan.slot + self.plan.n_slots * prompt_number)
         request = StreamRequest(
             endpoint=self.options.endpoint,

@@ -128,6 +128,12 @@ class ExperimentConfig(BaseModel):
         None, gt=0, description="open loop: requests/s offered to each replica (default: closed loop)"
     )
     users_per_replica: int = Field(2, ge=1, description="closed loop: streams in flight per replica")
+    arm_users: bool = Field(
+        False,
+        description="closed loop: each Locust user keeps one arm, so every arm carries users_per_replica streams per "
+        "replica at every moment and both walk the same prompts; default: each request takes the next arm in turn "
+        "(equal request counts, but the streams on each arm drift as the faster arm's users come back sooner)",
+    )
     dataset: str = Field("synthetic", description="synthetic, gsm8k or jsonl")
     dataset_path: str | None = None
     input_tokens: str = Field("64", description="synthetic prompt length: N, uniform:A:B, normal:M:S, lognormal:M:S")
@@ -170,6 +176,8 @@ class ExperimentConfig(BaseModel):
             raise ValueError(f"min_looks must be <= the {self.planned_looks} planned looks")
         if self.worker_placement != "local" and self.workers == 0:
             raise ValueError("workers: 0 (one local Locust process) needs worker_placement: local")
+        if self.arm_users and self.rate_per_replica:
+            raise ValueError("arm_users keeps each closed-loop user on one arm: it does not apply with rate_per_replica")
         return self
 
 
@@ -255,6 +263,14 @@ class RolloutConfig(BaseModel):
                 raise ValueError("accuracy.path is required for a golden eval (or serve tiny_model)")
         if not self.accuracy.enabled and not self.experiment.enabled and not self.progressive.enabled:
             raise ValueError("accuracy, experiment and progressive are all disabled: nothing to judge")
+        exp = self.experiment
+        users = exp.users_per_replica * 2 * self.canary.replicas
+        if exp.arm_users and users % (2 * max(exp.workers, 1)):
+            # each Locust process balances its own users over the arms: an odd share leaves one arm a stream short
+            raise ValueError(
+                f"experiment.arm_users: the {users} users must split evenly over {max(exp.workers, 1)} Locust "
+                "worker(s) and 2 arms (change users_per_replica or workers)"
+            )
         return self
 
 

@@ -172,7 +172,7 @@ def _stored_plan(doc: dict[str, Any], default: LookPlan) -> LookPlan:
     if not exp.get("requests_per_look") or not exp.get("requests_per_arm_planned"):
         return default
     return LookPlan(int(exp["requests_per_look"]), int(exp["requests_per_arm_planned"]), default.min_interval_s,
-                    default.min_looks, math.inf)
+                    default.min_looks, math.inf, bool(exp.get("arm_users", False)))
 
 
 def load_input(arg: str, run_config: Any | None) -> JudgeInput:

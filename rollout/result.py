@@ -89,6 +89,7 @@ class ExperimentSummary(Summary):
     planned_looks: int
     requests_per_look: int
     requests_per_arm_planned: int
+    arm_users: bool = False  # each Locust user kept one arm (experiment.arm_users)
     information: float
     requests: dict[str, int]
     records_after_last_look: int

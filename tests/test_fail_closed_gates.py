@@ -206,6 +206,25 @@ def test_the_experiment_look_judges_the_sample_ratio_and_a_mismatch_blocks_promo
     assert decide(fair, cfg) is Decision.PROMOTE
 
 
+def test_with_users_kept_on_their_arm_a_faster_arm_passes_and_a_lost_share_is_inconclusive():
+    """experiment.arm_users: 2 users per arm, each always busy; the canary twice as fast serves twice the
+    requests (its share of busy time is the same): a pass. The canary losing a third of its records
+    (the same speed, fewer requests) is flagged, as is the equal split the default pinning promises."""
+    cfg = GatesConfig(enabled=["sample_ratio"])
+    plan = LookPlan(requests_per_look=100, requests_per_arm=300, min_interval_s=0, min_looks=1, max_duration_s=1e9,
+                    arm_users=True)
+
+    def sample_ratio(arms: list[str]) -> GateResult:
+        records = [rec(i, arm, 0.03 if arm == "baseline" else 0.015) for i, arm in enumerate(arms)]
+        looks_of = [1 + 2 * i // len(records) for i in range(len(records))]
+        return {g.name: g for g in judge_look(records, looks_of, [0.25, 0.5], cfg, plan, SpecDecodeStats(), False)}["sample_ratio"]
+
+    assert sample_ratio(["baseline", "canary", "canary"] * 150).verdict is Verdict.PASS  # 150 vs 300 by speed
+    lost = sample_ratio(["baseline", "canary"] * 150 + ["canary"] * 40)
+    assert lost.verdict is Verdict.INCONCLUSIVE  # 150 vs 190: a third of the canary's ~290 gone
+    assert sample_ratio(["baseline", "canary"] * 150).verdict is Verdict.INCONCLUSIVE  # equal counts, unequal speed
+
+
 @pytest.mark.parametrize("drafts", [0.0])
 def test_a_speculative_canary_without_drafts_still_fails(drafts):
     """Rule 3 wiring: the no-drafts-under-load rule survives the move to counters."""

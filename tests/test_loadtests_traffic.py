@@ -183,6 +183,28 @@ def test_slots_interleave_the_prompt_sequence_and_pinned_arms_see_the_same_promp
     assert all(t.scheduled_at is None for t in tickets[0])  # closed loop
 
 
+def test_arm_users_keep_their_arm_and_every_arm_walks_the_same_prompts_at_its_own_pace():
+    options = TrafficOptions(arm_pin="baseline,canary", arm_users=True, input_tokens="8", max_tokens=4)
+    share = TrafficShare(options, SlotPlan(1, 2, 0.0))
+    users = [share.join() for _ in range(4)]
+    assert users == ["baseline", "canary", "baseline", "canary"]  # balanced as they start
+    # the canary's users come back three times as often: its prompts run ahead, the same ones in the same order
+    canary = [share.next_ticket("canary") for _ in range(6)]
+    baseline = [share.next_ticket("baseline") for _ in range(2)]
+    assert [t.prompt.index for t in canary] == [1, 3, 5, 7, 9, 11]
+    assert [t.prompt.index for t in baseline] == [1, 3]
+    assert {t.request.pinned_arm for t in canary} == {"canary"} and {t.request.pinned_arm for t in baseline} == {"baseline"}
+    # a user that stops frees its place: the next one to start takes that arm
+    share.leave("baseline")
+    assert share.join() == "baseline"
+    assert TrafficShare(TrafficOptions(arm_pin="baseline,canary"), SlotPlan(0, 1, 0.0)).join() is None  # the default
+
+
+def test_arm_users_need_two_pinned_arms():
+    with pytest.raises(ValueError, match="arm-users"):
+        TrafficOptions(arm_pin="canary", arm_users=True)
+
+
 def test_open_loop_tickets_carry_their_send_time():
     share = TrafficShare(TrafficOptions(rate=4.0, arrival="constant"), SlotPlan(1, 2, start_at=1000.0))
     assert [share.next_ticket().scheduled_at for _ in range(3)] == pytest.approx([1000.25, 1000.75, 1001.25])

@@ -72,6 +72,7 @@ class PlannedExperiment(Protocol):
     window_s: float
     min_looks: int
     max_duration_s: float
+    arm_users: bool
 
 
 # -- the plan ------------------------------------------------------------------------
@@ -84,10 +85,14 @@ class LookPlan:
     min_interval_s: float
     min_looks: int
     max_duration_s: float
+    # each Locust user keeps one arm (rollout.config.ExperimentConfig.arm_users): the arms' request
+    # counts differ by their speed, and the sample-ratio check compares busy time instead
+    arm_users: bool = False
 
     @classmethod
     def of(cls, exp: PlannedExperiment) -> "LookPlan":
-        return cls(exp.requests_per_look, exp.requests_per_arm, float(exp.window_s), exp.min_looks, exp.max_duration_s)
+        return cls(exp.requests_per_look, exp.requests_per_arm, float(exp.window_s), exp.min_looks, exp.max_duration_s,
+                   exp.arm_users)
 
     @property
     def planned_looks(self) -> int:
@@ -117,6 +122,26 @@ def completed(records: Sequence[RequestRecord], arm: str) -> int:
 
 def requests_by_arm(records: Sequence[RequestRecord]) -> dict[str, int]:
     return {arm: completed(records, arm) for arm in ARMS}
+
+
+def promised_shares(records: Sequence[RequestRecord], arm_users: bool) -> dict[str, float]:
+    """The share of requests each arm should have served, for the sample-ratio check.
+
+    Every prompt to each arm in turn: equal shares. Each user keeping one arm (equal users per
+    arm, closed loop, no think time): every user is busy all the time, so an arm serves its
+    users' time over its mean request time; the shares are each arm's requests per second of
+    busy time (its completed requests over the sum of their E2E). An arm whose records were
+    lost, or that got fewer users, or whose pinned requests went elsewhere, then falls off
+    its share; an arm that is merely faster does not.
+    """
+    if not arm_users:
+        return {arm: 1.0 for arm in ARMS}
+    shares: dict[str, float] = {}
+    for arm in ARMS:
+        mine = [r for r in records if record_arm(r) == arm and not r.cancelled]
+        busy = sum(r.e2e_s for r in mine)
+        shares[arm] = len(mine) / busy if busy > 0 else 1.0
+    return shares
 
 
 def latency_samples(records: Sequence[RequestRecord], looks_of: Sequence[int], arm: str) -> LatencySamples:
@@ -156,8 +181,7 @@ def judge_look(
         acceptance = acceptance.model_copy(
             update={"verdict": Verdict.FAIL, "detail": "the speculative canary made no drafts under load"}
         )
-    # the pinning sends every prompt to each arm in turn: equal shares promised
-    sample_ratio = judge_sample_ratio(requests_by_arm(records), cfg, {arm: 1.0 for arm in ARMS}, look=look)
+    sample_ratio = judge_sample_ratio(requests_by_arm(records), cfg, promised_shares(records, plan.arm_users), look=look)
     return [*latency, acceptance, sample_ratio]
 
 

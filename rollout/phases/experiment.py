@@ -39,6 +39,7 @@ class Experiment:
             tag="experiment",
             seed=exp.seed + 1,
             arm_pin=f"{BASELINE},{CANARY}",
+            arm_users=exp.arm_users and not exp.rate_per_replica,
             rate=exp.rate_per_replica * 2 * replicas if exp.rate_per_replica else None,
         )
         spec = ctx.traffic.swarm_spec(

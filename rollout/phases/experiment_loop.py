@@ -293,6 +293,7 @@ class ExperimentPhase:
             "planned_looks": self.plan.planned_looks,
             "requests_per_look": self.plan.requests_per_look,
             "requests_per_arm_planned": self.plan.requests_per_arm,
+            "arm_users": self.plan.arm_users,
             "information": self.fractions[-1] if self.fractions else 0.0,
             "requests": {arm: latency_samples(self.records, self.looks_of, arm).n_total for arm in self.arms},
             "records_after_last_look": tail,
