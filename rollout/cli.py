@@ -382,6 +382,8 @@ def build_parser() -> argparse.ArgumentParser:
     # parsed by their own modules (see main): listed here for --help
     sub.add_parser("calibrate", help=CALIBRATE_HELP, add_help=False)
     sub.add_parser("judge", help=JUDGE_HELP, add_help=False)
+    sub.add_parser("compare", help="two finished runs side by side: decision, gates, latency, acceptance", add_help=False)
+    sub.add_parser("config-schema", help="the run config's JSON Schema (--markdown: the reference table)", add_help=False)
 
     hist = sub.add_parser("history", help="one line per run: id, model, arms, decision, when, why")
     hist.add_argument("--runs-dir", default="runs")
@@ -421,6 +423,14 @@ def main(argv: list[str] | None = None) -> int:
         from rollout import rejudge
 
         return rejudge.main(argv[1:])
+    if argv[:1] == ["compare"]:
+        from rollout import compare
+
+        return compare.main(argv[1:])
+    if argv[:1] == ["config-schema"]:
+        from rollout import config_schema
+
+        return config_schema.main(argv[1:])
     parser = build_parser()
     args = parser.parse_args(argv)
     return args.func(args)
