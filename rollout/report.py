@@ -1,4 +1,4 @@
-"""The run's record for machines and people: decision.json and report.md."""
+"""The run's record for machines and people: decision.json, report.md and report.html (rollout.report_html)."""
 
 from __future__ import annotations
 
@@ -9,6 +9,7 @@ from typing import Any
 
 from rollout.atomic_file import write_atomically
 from rollout.load_sweep import sweep_table
+from rollout.report_html import write_html_report
 from rollout.result import RunResult, decision_document
 
 
@@ -177,4 +178,6 @@ def write_reports(result: RunResult) -> dict[str, Path]:
     report_path = run_dir / "report.md"
     write_atomically(decision_path, json.dumps(doc, indent=2, default=str))
     write_atomically(report_path, markdown_report(doc))
-    return {"decision": decision_path, "report": report_path}
+    # last: the page reads the run's records too, and decision.json and report.md stand whatever they hold
+    html_path = write_html_report(doc, run_dir)
+    return {"decision": decision_path, "report": report_path, "html": html_path}
