@@ -32,22 +32,32 @@ from collections.abc import Callable
 import psutil
 
 SESSION_ENV = "MTP_CANARY_TEST_SESSION"
-# the owner's start time is compared to this precision (psutil gives it from /proc in clock ticks)
-_START_TOLERANCE_S = 0.05
+
+
+def start_ticks(pid: int) -> int:
+    """When process `pid` started, in clock ticks since boot (/proc/PID/stat field 22).
+
+    Not psutil's create_time(): that is boot time + ticks, and the boot time it derives
+    from the wall clock moves when the clock is stepped (a VM's time sync moved it by 4 s
+    here mid-session), which made a live session's owner look dead and the next session
+    stop its processes. Ticks since boot do not move."""
+    stat = open(f"/proc/{pid}/stat", "rb").read()  # noqa: SIM115 - one read of a tiny file
+    fields = stat[stat.rindex(b")") + 2:].split()  # after the command name, which may hold spaces
+    return int(fields[19])  # field 22 of stat; fields[0] is field 3
 
 
 def new_session_id(pid: int | None = None) -> str:
-    """`PID-START-RANDOM` of the owner process `pid` (default: this one)."""
-    owner = psutil.Process(pid if pid is not None else os.getpid())
-    return f"{owner.pid}-{owner.create_time():.2f}-{uuid.uuid4().hex[:12]}"
+    """`PID-STARTTICKS-RANDOM` of the owner process `pid` (default: this one)."""
+    owner = pid if pid is not None else os.getpid()
+    return f"{owner}-{start_ticks(owner)}-{uuid.uuid4().hex[:12]}"
 
 
-def parse_session_id(value: str) -> tuple[int, float] | None:
-    """(owner pid, owner start time) of a session id; None if `value` is not one."""
+def parse_session_id(value: str) -> tuple[int, int] | None:
+    """(owner pid, owner start in ticks since boot) of a session id; None if `value` is not one."""
     try:
         pid, started, rest = value.split("-", 2)
-        return (int(pid), float(started)) if rest else None
-    except ValueError:
+        return (int(pid), int(started)) if rest else None
+    except ValueError:  # not ours, or an id of the older PID-EPOCH.xx form (its owner is long gone)
         return None
 
 
@@ -61,11 +71,10 @@ def owner_alive(value: str) -> bool:
         return True
     pid, started = owner
     try:
-        proc = psutil.Process(pid)
-        return proc.status() != psutil.STATUS_ZOMBIE and abs(proc.create_time() - started) < _START_TOLERANCE_S
-    except psutil.NoSuchProcess:
+        return psutil.Process(pid).status() != psutil.STATUS_ZOMBIE and start_ticks(pid) == started
+    except (psutil.NoSuchProcess, FileNotFoundError, ProcessLookupError):
         return False
-    except psutil.AccessDenied:
+    except (psutil.AccessDenied, PermissionError):
         return True
 
 

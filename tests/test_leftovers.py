@@ -18,6 +18,7 @@ from tests.leftovers import (
     owner_alive,
     parse_session_id,
     session_processes,
+    start_ticks,
     stop_processes,
 )
 
@@ -57,11 +58,19 @@ def test_a_session_id_names_its_owner():
     # the pytest that began the session: this process, or under pytest-xdist the controller
     # that started this worker (its workers inherit the id, so the session is one run)
     owner = psutil.Process().parent() if os.environ.get("PYTEST_XDIST_WORKER") else psutil.Process()
-    assert pid == owner.pid and started == pytest.approx(owner.create_time(), abs=0.05)
+    assert pid == owner.pid and started == start_ticks(owner.pid)
     assert not owner_alive(dead_session_id())
     # a pid reused by another process is not the owner: the start time differs
-    assert not owner_alive(f"{os.getpid()}-{psutil.Process().create_time() - 100:.2f}-x")
+    assert not owner_alive(f"{os.getpid()}-{start_ticks(os.getpid()) - 100}-x")
     assert parse_session_id("not-a-session") is None and parse_session_id("") is None
+
+
+def test_the_owner_stays_alive_whatever_the_wall_clock_does(monkeypatch):
+    """The owner's start is in ticks since boot: a stepped wall clock (which moves psutil's
+    boot time, hence create_time) must not make a live session look dead."""
+    session = new_session_id()
+    monkeypatch.setattr(psutil, "boot_time", lambda: 0.0)  # create_time() would now be ~1970
+    assert owner_alive(session)
 
 
 def test_only_this_sessions_processes_are_its_own(spawn):
