@@ -382,6 +382,7 @@ def build_parser() -> argparse.ArgumentParser:
     # parsed by their own modules (see main): listed here for --help
     sub.add_parser("calibrate", help=CALIBRATE_HELP, add_help=False)
     sub.add_parser("judge", help=JUDGE_HELP, add_help=False)
+    sub.add_parser("report", help="write a run's report.md and report.html again from its decision.json", add_help=False)
     sub.add_parser("compare", help="two finished runs side by side: decision, gates, latency, acceptance", add_help=False)
     sub.add_parser("config-schema", help="the run config's JSON Schema (--markdown: the reference table)", add_help=False)
 
@@ -423,6 +424,10 @@ def main(argv: list[str] | None = None) -> int:
         from rollout import rejudge
 
         return rejudge.main(argv[1:])
+    if argv[:1] == ["report"]:
+        from rollout import report
+
+        return report.main(argv[1:])
     if argv[:1] == ["compare"]:
         from rollout import compare
 

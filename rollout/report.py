@@ -179,5 +179,53 @@ def write_reports(result: RunResult) -> dict[str, Path]:
     write_atomically(decision_path, json.dumps(doc, indent=2, default=str))
     write_atomically(report_path, markdown_report(doc))
     # last: the page reads the run's records too, and decision.json and report.md stand whatever they hold
-    html_path = write_html_report(doc, run_dir)
+    try:
+        html_path = write_html_report(doc, run_dir)
+    except Exception as exc:  # noqa: BLE001 - a page that cannot be drawn must not turn a decided run into a crash
+        html_path = run_dir / "report.html"
+        write_atomically(html_path, plain_html_page(doc, exc))
     return {"decision": decision_path, "report": report_path, "html": html_path}
+
+
+def plain_html_page(doc: dict[str, Any], exc: BaseException) -> str:
+    """report.html when the figures cannot be drawn: the decision, and why the page is bare."""
+    from html import escape
+
+    decision = escape(str(doc.get("decision") or "error"))
+    reason = escape(str(doc.get("error") or doc.get("reason") or ""))
+    cause = escape(f"{type(exc).__name__}: {exc}")
+    return (f"<!doctype html><html><head><meta charset='utf-8'><title>{escape(str(doc.get('run_id')))}</title></head>"
+            f"<body><h1>{decision.upper()}</h1><p>{reason}</p><p>The figures could not be drawn ({cause}); "
+            f"decision.json and report.md hold the whole record.</p></body></html>\n")
+
+
+def regenerate_reports(run_dir: Path) -> dict[str, Path]:
+    """report.md and report.html again from a run's decision.json (decision.json itself is left as it is)."""
+    doc = json.loads((Path(run_dir) / "decision.json").read_text())
+    report_path = Path(run_dir) / "report.md"
+    write_atomically(report_path, markdown_report(doc))
+    try:
+        html_path = write_html_report(doc, Path(run_dir))
+    except Exception as exc:  # noqa: BLE001 - as in write_reports
+        html_path = Path(run_dir) / "report.html"
+        write_atomically(html_path, plain_html_page(doc, exc))
+    return {"report": report_path, "html": html_path}
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`mtp-canary report RUN_ID|RUN_DIR [--runs-dir DIR]`: write report.md and report.html again (e.g. after an upgrade)."""
+    import argparse
+    import sys
+
+    parser = argparse.ArgumentParser(prog="mtp-canary report", description=main.__doc__.split(":", 1)[1].strip())
+    parser.add_argument("run", metavar="RUN_ID|RUN_DIR")
+    parser.add_argument("--runs-dir", default="runs")
+    args = parser.parse_args(argv)
+    run_dir = Path(args.run) if Path(args.run).is_dir() else Path(args.runs_dir) / args.run
+    try:
+        paths = regenerate_reports(run_dir)
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        print(f"mtp-canary report: {run_dir / 'decision.json'}: cannot read it ({type(exc).__name__}: {exc})", file=sys.stderr)
+        return 2
+    print(f"{paths['report']}\n{paths['html']}")
+    return 0
