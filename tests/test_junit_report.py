@@ -75,3 +75,15 @@ def test_hostile_text_is_escaped_and_parses(tmp_path):
     first = next(suite.iter("testcase"))
     assert "a <b> & \"c\" ' ]]> line" in first.find("failure").get("message")
     assert not list(tmp_path.glob(".junit.xml.tmp-*"))
+
+
+def test_pipeline_artifacts_writes_both_files(tmp_path):
+    from prometheus_client.parser import text_string_to_metric_families
+
+    from rollout.pipeline_artifacts import write_pipeline_artifacts
+
+    paths = write_pipeline_artifacts(_doc("broken"), tmp_path)
+    assert paths == {"junit": tmp_path / "junit.xml", "metrics": tmp_path / "metrics.prom"}
+    assert ET.parse(paths["junit"]).getroot().get("failures") == "3"
+    names = {f.name for f in text_string_to_metric_families(paths["metrics"].read_text())}
+    assert "mtp_canary_decision" in names
