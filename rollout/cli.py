@@ -114,6 +114,8 @@ def _drive(controller) -> int:
         return 130
     decision = result.decision.value if result.decision and not result.error else "error"
     print(f"mtp-canary: {decision} (exit {result.exit_code}) -> {result.run_dir / 'decision.json'}", flush=True)
+    # machine-readable, the last line of the log: `mtp-canary submit` reads the code from it
+    print(f"mtp-canary: exit_code={result.exit_code} decision={decision} run_dir={result.run_dir}", flush=True)
     return result.exit_code
 
 
@@ -384,6 +386,7 @@ def build_parser() -> argparse.ArgumentParser:
     sub.add_parser("judge", help=JUDGE_HELP, add_help=False)
     sub.add_parser("report", help="write a run's report.md and report.html again from its decision.json", add_help=False)
     sub.add_parser("compare", help="two finished runs side by side: decision, gates, latency, acceptance", add_help=False)
+    sub.add_parser("submit", help="run a canary as a Ray Job; follow its log; exit with the run's own code", add_help=False)
     sub.add_parser("config-schema", help="the run config's JSON Schema (--markdown: the reference table)", add_help=False)
 
     hist = sub.add_parser("history", help="one line per run: id, model, arms, decision, when, why")
@@ -432,6 +435,10 @@ def main(argv: list[str] | None = None) -> int:
         from rollout import compare
 
         return compare.main(argv[1:])
+    if argv[:1] == ["submit"]:
+        from rollout import submit
+
+        return submit.main(argv[1:])
     if argv[:1] == ["config-schema"]:
         from rollout import config_schema
 

@@ -1,0 +1,219 @@
+"""`mtp-canary submit CONFIG`: a run as a Ray Job, and the run's own exit code back.
+
+`ray job submit` exits 0 or 1 (SUCCEEDED or FAILED), so a pipeline cannot tell a rollback from
+an inconclusive run from a broken cluster. This command submits `python -m rollout run CONFIG`
+through Ray's Job SDK, follows the job's log to stdout, and exits with the run's code:
+0 promote, 3 rollback, 4 inconclusive, 1 infrastructure error, 2 bad config. The code is the
+run's final `mtp-canary: exit_code=N decision=X run_dir=DIR` line when the log has one, else
+the driver's exit code as Ray recorded it; a job stopped, or failed with no run code, is 1.
+
+Ray 2.60's token authentication: the token is read as Ray reads it (RAY_AUTH_TOKEN, the file
+RAY_AUTH_TOKEN_PATH names, or ~/.ray/auth_token) and sent as the Authorization header, so
+the client needs no RAY_AUTH_MODE=token; a cluster that refuses the request is one line
+naming where the token goes (`ray get-auth-token` on the head prints it).
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import os
+import re
+import shlex
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TextIO
+
+EXIT_INFRASTRUCTURE, EXIT_USAGE = 1, 2
+RUN_CODES = {0, 2, 3, 4}  # what `rollout run` itself exits with; 1 is also its code, and the fallback
+FINAL_LINE = re.compile(r"^mtp-canary: exit_code=(\d+) decision=(\S+)(?: run_dir=(.*))?$")
+# Ray's working_dir upload is capped at 500 MiB; none of these is needed to run (.gitignore is honoured too)
+UPLOAD_EXCLUDES = [".venv", "runs", ".cache", ".git", "__pycache__", ".hypothesis", ".pytest_cache", "*.egg-info"]
+DEFAULT_ADDRESS = "http://127.0.0.1:8265"
+TOKEN_HELP = ("the cluster uses token authentication: set RAY_AUTH_TOKEN, or RAY_AUTH_TOKEN_PATH to a file holding "
+              "it, or write it to ~/.ray/auth_token (`ray get-auth-token` on the head prints it)")
+
+
+class SubmitError(Exception):
+    """One line for stderr; the submission ends with exit 1."""
+
+
+@dataclass(frozen=True)
+class Outcome:
+    """How a followed job ended, and what `submit` exits with."""
+
+    job_id: str
+    status: str
+    exit_code: int
+    decision: str | None = None
+    run_dir: str | None = None
+    reason: str = ""
+
+
+def ray_token() -> str | None:
+    """The token Ray's own loader would use, in its order; None when there is none."""
+    if os.environ.get("RAY_AUTH_TOKEN", "").strip():
+        return os.environ["RAY_AUTH_TOKEN"].strip()
+    for path in (os.environ.get("RAY_AUTH_TOKEN_PATH"), Path.home() / ".ray" / "auth_token"):
+        try:
+            token = Path(path).read_text().strip() if path else ""
+        except OSError:
+            token = ""
+        if token:
+            return token
+    return None
+
+
+def final_line(log: str) -> tuple[int, str, str | None] | None:
+    """(exit code, decision, run dir) of the last `mtp-canary: exit_code=...` line in a log."""
+    found = None
+    for line in log.splitlines():
+        match = FINAL_LINE.match(line.strip())
+        if match:
+            found = (int(match.group(1)), match.group(2), match.group(3))
+    return found
+
+
+def outcome_of(job_id: str, status: str, driver_exit_code: int | None, message: str, log: str) -> Outcome:
+    """The exit code of a job that ended (see the module docstring for the order of evidence)."""
+    line = final_line(log)
+    if line is not None and status in ("SUCCEEDED", "FAILED"):
+        return Outcome(job_id, status, line[0], decision=line[1], run_dir=line[2])
+    if status == "SUCCEEDED":
+        return Outcome(job_id, status, 0)
+    if status == "FAILED" and driver_exit_code in RUN_CODES:
+        return Outcome(job_id, status, driver_exit_code)
+    why = " ".join((message or "").split())[:300]
+    code = "" if driver_exit_code is None else f", driver exit {driver_exit_code}"
+    return Outcome(job_id, status, EXIT_INFRASTRUCTURE, reason=f"job {job_id} {status}{code} with no run exit code: {why}")
+
+
+def client_for(address: str):
+    """A JobSubmissionClient for `address`, carrying the Ray token when there is one."""
+    from ray.job_submission import JobSubmissionClient
+
+    token = ray_token()
+    headers = {"Authorization": f"Bearer {token}"} if token else None
+    try:
+        return JobSubmissionClient(address, headers=headers)
+    except Exception as exc:  # ConnectionError, or RuntimeError carrying Ray's 401/403 text
+        raise SubmitError(_connect_error(address, exc, token)) from None
+
+
+def _connect_error(address: str, exc: Exception, token: str | None) -> str:
+    text = " ".join(str(exc).split())
+    if "Authentication required" in text or "401" in text:
+        return f"{address}: {TOKEN_HELP}" if token is None else f"{address}: the cluster refused the token given"
+    if "Authentication failed" in text or "403" in text:
+        return f"{address}: the cluster refused the Ray token (RAY_AUTH_TOKEN / RAY_AUTH_TOKEN_PATH / ~/.ray/auth_token)"
+    return f"cannot reach the Ray job server at {address}: {text[:300]}"
+
+
+async def _tail(client, job_id: str, out: TextIO) -> str:
+    seen = []
+    async for chunk in client.tail_job_logs(job_id):
+        out.write(chunk)
+        out.flush()
+        seen.append(chunk)
+    return "".join(seen)
+
+
+def follow(client, job_id: str, out: TextIO, poll_s: float = 1.0) -> Outcome:
+    """Stream a job's log to `out` until it ends; how it ended."""
+    from ray.job_submission import JobStatus
+
+    try:
+        log = asyncio.run(_tail(client, job_id, out))
+    except Exception as exc:  # the log stream broke: the job may still run; poll it
+        print(f"mtp-canary submit: log stream ended ({type(exc).__name__}); waiting for job {job_id}", file=sys.stderr)
+        log = ""
+    while not (info := client.get_job_info(job_id)).status.is_terminal():
+        time.sleep(poll_s)
+    if final_line(log) is None:
+        log = client.get_job_logs(job_id)  # a stream cut short may have missed the last line
+    status = info.status.value if isinstance(info.status, JobStatus) else str(info.status)
+    return outcome_of(job_id, status, getattr(info, "driver_exit_code", None), info.message or "", log)
+
+
+def submit_entrypoint(address: str, entrypoint: list[str], working_dir: Path | None, out: TextIO = sys.stdout,
+                      wait: bool = True, job_id: str | None = None) -> Outcome | str:
+    """Submit `entrypoint` as a Ray Job (working_dir uploaded, caches and runs left out); the
+    Outcome once it ends, or its job id with wait=False. Raises SubmitError (one line)."""
+    client = client_for(address)
+    runtime_env = {"working_dir": str(working_dir), "excludes": UPLOAD_EXCLUDES} if working_dir else None
+    try:
+        job_id = client.submit_job(entrypoint=shlex.join(entrypoint), runtime_env=runtime_env, submission_id=job_id)
+    except Exception as exc:
+        raise SubmitError(_connect_error(address, exc, ray_token())) from None
+    print(f"mtp-canary submit: job {job_id} submitted to {address}", file=sys.stderr, flush=True)
+    if not wait:
+        return job_id
+    try:
+        return follow(client, job_id, out)
+    except KeyboardInterrupt:
+        # a cancelled pipeline step must not leave a canary running on the cluster
+        client.stop_job(job_id)
+        raise
+
+
+def run_entrypoint(config: Path, working_dir: Path, runs_dir: Path) -> list[str]:
+    """The job's command: `rollout run` of CONFIG as the uploaded directory names it, runs_dir absolute
+    (a relative one would land in Ray's unpacked copy of the working dir, deleted with the job)."""
+    relative = Path(config).resolve().relative_to(Path(working_dir).resolve())
+    return ["python", "-m", "rollout", "run", str(relative), "--runs-dir", str(Path(runs_dir).absolute())]
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="mtp-canary submit", description=__doc__.splitlines()[0])
+    parser.add_argument("config", metavar="CONFIG", help="run config, inside --working-dir (it is uploaded with it)")
+    parser.add_argument("--address", default=os.environ.get("RAY_ADDRESS") or DEFAULT_ADDRESS,
+                        help=f"the Ray job server (dashboard) URL (default: $RAY_ADDRESS, else {DEFAULT_ADDRESS})")
+    parser.add_argument("--runs-dir", default="runs",
+                        help="where the run writes runs/<id>/ on the cluster; a relative path is made absolute "
+                        "here, so give a path the head can write (default: ./runs)")
+    parser.add_argument("--working-dir", default=".", help="uploaded as the job's working directory (default: .)")
+    parser.add_argument("--no-wait", action="store_true", help="print the job id and exit 0 once submitted")
+    return parser
+
+
+def main(argv: list[str] | None = None, out: TextIO = sys.stdout) -> int:
+    args = build_parser().parse_args(argv)
+    from rollout.config import ConfigError, load_config
+
+    working_dir = Path(args.working_dir).resolve()
+    config = Path(args.config).resolve()
+    try:
+        load_config(config)  # bad config: exit 2 here, nothing submitted
+    except ConfigError as exc:
+        print(f"mtp-canary submit: bad config: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    if not config.is_relative_to(working_dir):
+        print(f"mtp-canary submit: CONFIG {args.config} is outside --working-dir {working_dir}: "
+              "the job sees only the uploaded directory", file=sys.stderr)
+        return EXIT_USAGE
+    entrypoint = run_entrypoint(config, working_dir, Path(args.runs_dir))
+    try:
+        result = submit_entrypoint(args.address, entrypoint, working_dir, out=out, wait=not args.no_wait)
+    except SubmitError as exc:
+        print(f"mtp-canary submit: {exc}", file=sys.stderr)
+        return EXIT_INFRASTRUCTURE
+    except KeyboardInterrupt:
+        print("mtp-canary submit: interrupted; job stopped", file=sys.stderr)
+        return 130
+    if isinstance(result, str):
+        print(result, file=out)
+        return 0
+    return report(result)
+
+
+def report(outcome: Outcome) -> int:
+    """One line on stderr saying how the job ended; the exit code."""
+    if outcome.reason:
+        print(f"mtp-canary submit: {outcome.reason}", file=sys.stderr)
+    else:
+        where = f" -> {outcome.run_dir}/decision.json" if outcome.run_dir else ""
+        print(f"mtp-canary submit: job {outcome.job_id} {outcome.status}: {outcome.decision or 'exit'} "
+              f"(exit {outcome.exit_code}){where}", file=sys.stderr)
+    return outcome.exit_code

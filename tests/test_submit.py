@@ -1,0 +1,186 @@
+"""`mtp-canary submit`: a real local Ray head with its job server, real jobs, the run's exit codes back.
+
+The jobs are `mtp-canary judge` of recorded runs (no vLLM): the submit path, the log stream and
+the exit-code mapping are the same as for `run`, whose final line is checked on its own.
+"""
+
+from __future__ import annotations
+
+import io
+import os
+import socket
+import subprocess
+import sys
+import time
+import urllib.request
+from pathlib import Path
+
+import pytest
+
+from rollout import submit
+from rollout.submit import Outcome, final_line, outcome_of, submit_entrypoint
+
+REPO = Path(__file__).resolve().parent.parent
+REJUDGE = "tests/data/rejudge/promote"
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.fixture(scope="module")
+def ray_head():
+    """A Ray head with the dashboard's job server on 127.0.0.1, token auth off, its own temp dir."""
+    port, dash = _free_port(), _free_port()
+    temp = Path("/tmp") / f"ray-submit-{port}"
+    bindir = str(Path(sys.executable).parent)
+    # the job's `python` is this venv's: the head's PATH is what its drivers see
+    env = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0", "RAY_AUTH_MODE": "disabled",
+           "PATH": f"{bindir}:{os.environ.get('PATH', '')}"}
+    env.pop("RAY_ADDRESS", None)
+    subprocess.run([str(Path(bindir) / "ray"), "start", "--head", f"--port={port}", "--node-ip-address=127.0.0.1",
+                    "--num-cpus=2", "--include-dashboard=true", "--dashboard-host=127.0.0.1",
+                    f"--dashboard-port={dash}", f"--temp-dir={temp}", "--disable-usage-stats"],
+                   check=True, capture_output=True, timeout=180, env=env)
+    address = f"http://127.0.0.1:{dash}"
+    try:
+        deadline = time.monotonic() + 90
+        while True:  # the job server comes up after `ray start` returns
+            try:
+                with urllib.request.urlopen(f"{address}/api/version", timeout=5):
+                    break
+            except OSError:
+                if time.monotonic() > deadline:
+                    raise
+                time.sleep(1)
+        yield address
+    finally:
+        from tests.conftest import stop_ray_cluster
+
+        stop_ray_cluster(temp)
+
+
+def test_final_line_and_outcome_rules():
+    log = "noise\nmtp-canary: rollback (exit 3) -> r/x/decision.json\nmtp-canary: exit_code=3 decision=rollback run_dir=/r/x\n"
+    assert final_line(log) == (3, "rollback", "/r/x")
+    assert outcome_of("j", "FAILED", 3, "", log) == Outcome("j", "FAILED", 3, decision="rollback", run_dir="/r/x")
+    assert outcome_of("j", "FAILED", 4, "", "no line").exit_code == 4
+    stopped = outcome_of("j", "STOPPED", None, "Job was intentionally stopped.", "no line")
+    assert stopped.exit_code == 1 and "STOPPED" in stopped.reason
+    assert outcome_of("j", "FAILED", 137, "killed", "").exit_code == 1
+
+
+def test_entrypoint_is_a_run_the_cli_accepts(tmp_path):
+    from rollout import cli
+
+    argv = submit.run_entrypoint(REPO / "configs/examples/local-progressive.yaml", REPO, Path("runs"))
+    assert argv[:3] == ["python", "-m", "rollout"]
+    args = cli.build_parser().parse_args(argv[3:])
+    assert args.command == "run" and args.config == "configs/examples/local-progressive.yaml"
+    assert Path(args.runs_dir).is_absolute()
+
+
+def test_config_outside_the_working_dir_is_exit_2(tmp_path, capsys):
+    code = submit.main([str(REPO / "configs/examples/local-progressive.yaml"), "--working-dir", str(tmp_path),
+                        "--address", f"http://127.0.0.1:{_free_port()}"])
+    assert code == 2 and "outside --working-dir" in capsys.readouterr().err
+
+
+def test_run_prints_the_line_submit_reads(capsys):
+    """The contract between `rollout run`'s last line and `submit`: the run's code, decision and directory."""
+    import signal
+    from types import SimpleNamespace
+
+    from rollout import cli
+    from rollout.result import Decision
+
+    result = SimpleNamespace(decision=Decision.INCONCLUSIVE, error=None, exit_code=4, run_dir=Path("/runs/r 1"))
+    previous = signal.getsignal(signal.SIGTERM)
+    try:
+        assert cli._drive(SimpleNamespace(run=lambda: result)) == 4
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+    assert final_line(capsys.readouterr().out) == (4, "inconclusive", "/runs/r 1")
+
+
+def test_bad_config_is_exit_2_and_nothing_submitted(tmp_path, capsys):
+    bad = tmp_path / "bad.yaml"
+    bad.write_text("name: x\nexperiment: {window_s: -1}\n")
+    # an address nothing listens on: reaching it would be a different error (exit 1)
+    assert submit.main([str(bad), "--address", f"http://127.0.0.1:{_free_port()}", "--working-dir", str(tmp_path)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("mtp-canary submit: bad config:")
+
+
+def test_unreachable_job_server_is_exit_1(capsys):
+    code = submit.main(["configs/examples/local-progressive.yaml", "--address", f"http://127.0.0.1:{_free_port()}",
+                        "--working-dir", str(REPO)])
+    assert code == 1
+    assert "cannot reach the Ray job server" in capsys.readouterr().err
+
+
+def test_missing_token_names_the_fix(monkeypatch, tmp_path):
+    monkeypatch.delenv("RAY_AUTH_TOKEN", raising=False)
+    monkeypatch.setenv("RAY_AUTH_TOKEN_PATH", str(tmp_path / "none"))
+    monkeypatch.setenv("HOME", str(tmp_path))
+    assert submit.ray_token() is None
+    message = submit._connect_error("http://h:8265", RuntimeError("Authentication required: Unauthorized"), None)
+    assert "RAY_AUTH_TOKEN" in message and "~/.ray/auth_token" in message
+    (tmp_path / "tok").write_text("secret\n")
+    monkeypatch.setenv("RAY_AUTH_TOKEN_PATH", str(tmp_path / "tok"))
+    assert submit.ray_token() == "secret"
+    monkeypatch.setenv("RAY_AUTH_TOKEN", "fromenv")
+    assert submit.ray_token() == "fromenv"
+
+
+def _records(tmp_path: Path) -> tuple[Path, Path, Path]:
+    """A run config and two records files whose judgement is known: a faster canary, a slower one."""
+    import numpy as np
+
+    from tests.test_rejudge import run_config, write_records
+
+    config = run_config(tmp_path, ["tpot_p50_improvement", "sample_ratio"])
+    rng = np.random.default_rng(1)
+    faster = write_records(tmp_path / "faster.jsonl", {"baseline": rng.lognormal(np.log(0.03), 0.2, 200),
+                                                       "canary": rng.lognormal(np.log(0.021), 0.2, 200)},
+                           ttft_by_arm={arm: rng.lognormal(np.log(0.05), 0.3, 200) for arm in ("baseline", "canary")})
+    slower = write_records(tmp_path / "slower.jsonl", {"baseline": rng.lognormal(np.log(0.03), 0.2, 200),
+                                                       "canary": rng.lognormal(np.log(0.06), 0.2, 200)})
+    return config, faster, slower
+
+
+def test_submitted_job_exit_codes_come_back(ray_head, tmp_path):
+    """Real jobs on the local head (the records under tmp_path are read by path: same machine)."""
+    config, faster, slower = _records(tmp_path)
+    judge = ["python", "-m", "rollout", "judge", "--config", str(config)]
+    out = io.StringIO()
+    promoted = submit_entrypoint(ray_head, judge + [str(faster)], REPO, out=out)
+    assert (promoted.status, promoted.exit_code) == ("SUCCEEDED", 0), out.getvalue()[-3000:]
+    assert "PROMOTE" in out.getvalue()  # the job's log reached stdout
+
+    out = io.StringIO()
+    rolled = submit_entrypoint(ray_head, judge + [str(slower)], REPO, out=out)
+    assert (rolled.status, rolled.exit_code) == ("FAILED", 3), out.getvalue()[-3000:]
+
+    # the recorded run from the uploaded working dir: not enough evidence for the objective -> 4
+    undecided = submit_entrypoint(ray_head, ["python", "-m", "rollout", "judge", REJUDGE], REPO, out=io.StringIO())
+    assert (undecided.status, undecided.exit_code) == ("FAILED", 4)
+
+    bad = submit_entrypoint(ray_head, judge + ["no/such/records"], REPO, out=io.StringIO())
+    assert (bad.status, bad.exit_code) == ("FAILED", 2)
+
+    crashed = submit_entrypoint(ray_head, ["python", "-c", "import os; os._exit(7)"], REPO, out=io.StringIO())
+    assert crashed.exit_code == 1 and "driver exit 7" in crashed.reason
+
+    # the run's final line, when the log has it, is the code (and names the run directory)
+    line = "mtp-canary: exit_code=3 decision=rollback run_dir=/runs/x"
+    printed = submit_entrypoint(ray_head, ["python", "-c", f"print({line!r}); raise SystemExit(3)"], None,
+                                out=io.StringIO())
+    assert (printed.exit_code, printed.decision, printed.run_dir) == (3, "rollback", "/runs/x")
+
+
+def test_no_wait_returns_the_job_id(ray_head):
+    job_id = submit_entrypoint(ray_head, ["python", "-c", "print('hi')"], None, wait=False)
+    assert isinstance(job_id, str) and job_id
