@@ -6,12 +6,14 @@ the exit-code mapping are the same as for `run`, whose final line is checked on 
 
 from __future__ import annotations
 
+import contextlib
 import io
 import os
 import socket
 import subprocess
 import sys
 import time
+import urllib.error
 import urllib.request
 from pathlib import Path
 
@@ -30,27 +32,28 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-@pytest.fixture(scope="module")
-def ray_head():
-    """A Ray head with the dashboard's job server on 127.0.0.1, token auth off, its own temp dir."""
+@contextlib.contextmanager
+def _head(**auth_env: str):
+    """A Ray head with the dashboard's job server on 127.0.0.1, its own temp dir; its URL."""
     port, dash = _free_port(), _free_port()
     temp = Path("/tmp") / f"ray-submit-{port}"
     bindir = str(Path(sys.executable).parent)
     # the job's `python` is this venv's: the head's PATH is what its drivers see
-    env = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0", "RAY_AUTH_MODE": "disabled",
-           "PATH": f"{bindir}:{os.environ.get('PATH', '')}"}
+    env = {**os.environ, "RAY_USAGE_STATS_ENABLED": "0", "PATH": f"{bindir}:{os.environ.get('PATH', '')}", **auth_env}
     env.pop("RAY_ADDRESS", None)
-    subprocess.run([str(Path(bindir) / "ray"), "start", "--head", f"--port={port}", "--node-ip-address=127.0.0.1",
-                    "--num-cpus=2", "--include-dashboard=true", "--dashboard-host=127.0.0.1",
-                    f"--dashboard-port={dash}", f"--temp-dir={temp}", "--disable-usage-stats"],
-                   check=True, capture_output=True, timeout=180, env=env)
-    address = f"http://127.0.0.1:{dash}"
     try:
+        subprocess.run([str(Path(bindir) / "ray"), "start", "--head", f"--port={port}", "--node-ip-address=127.0.0.1",
+                        "--num-cpus=2", "--include-dashboard=true", "--dashboard-host=127.0.0.1",
+                        f"--dashboard-port={dash}", f"--temp-dir={temp}", "--disable-usage-stats"],
+                       check=True, capture_output=True, timeout=180, env=env)
+        address = f"http://127.0.0.1:{dash}"
         deadline = time.monotonic() + 90
-        while True:  # the job server comes up after `ray start` returns
+        while True:  # the job server comes up after `ray start` returns (401 under token auth: it is up)
             try:
                 with urllib.request.urlopen(f"{address}/api/version", timeout=5):
                     break
+            except urllib.error.HTTPError:
+                break
             except OSError:
                 if time.monotonic() > deadline:
                     raise
@@ -60,6 +63,31 @@ def ray_head():
         from tests.conftest import stop_ray_cluster
 
         stop_ray_cluster(temp)
+
+
+@pytest.fixture(scope="module")
+def ray_head():
+    """Token auth off (RAY_AUTH_MODE=disabled), as a test cluster on one machine."""
+    with _head(RAY_AUTH_MODE="disabled") as address:
+        yield address
+
+
+def test_token_auth_cluster(monkeypatch, tmp_path):
+    """Ray 2.60's token auth: with the token in RAY_AUTH_TOKEN (and no RAY_AUTH_MODE here) the job runs;
+    without it, one line naming where the token goes and exit 1, nothing submitted."""
+    token = "mtp-canary-test-token-" + "0123456789abcdef" * 2
+    monkeypatch.delenv("RAY_AUTH_MODE", raising=False)
+    monkeypatch.setenv("HOME", str(tmp_path))  # no ~/.ray/auth_token of the machine's user
+    monkeypatch.delenv("RAY_AUTH_TOKEN_PATH", raising=False)
+    with _head(RAY_AUTH_MODE="token", RAY_AUTH_TOKEN=token) as address:
+        monkeypatch.delenv("RAY_AUTH_TOKEN", raising=False)
+        # a harmless entrypoint: were the token not required, nothing heavy would start
+        with pytest.raises(submit.SubmitError) as refused:
+            submit_entrypoint(address, ["python", "-c", "pass"], None, out=io.StringIO())
+        assert "RAY_AUTH_TOKEN" in str(refused.value) and "~/.ray/auth_token" in str(refused.value)
+        monkeypatch.setenv("RAY_AUTH_TOKEN", token)
+        done = submit_entrypoint(address, ["python", "-c", "raise SystemExit(4)"], None, out=io.StringIO())
+        assert (done.status, done.exit_code) == ("FAILED", 4)
 
 
 def test_final_line_and_outcome_rules():
