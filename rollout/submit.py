@@ -32,6 +32,7 @@ FINAL_LINE = re.compile(r"^mtp-canary: exit_code=(\d+) decision=(\S+)(?: run_dir
 # Ray's working_dir upload is capped at 500 MiB; none of these is needed to run (.gitignore is honoured too)
 UPLOAD_EXCLUDES = [".venv", "runs", ".cache", ".git", "__pycache__", ".hypothesis", ".pytest_cache", "*.egg-info"]
 DEFAULT_ADDRESS = "http://127.0.0.1:8265"
+AGENT_WAIT_S = 60.0
 TOKEN_HELP = ("the cluster uses token authentication: set RAY_AUTH_TOKEN, or RAY_AUTH_TOKEN_PATH to a file holding "
               "it, or write it to ~/.ray/auth_token (`ray get-auth-token` on the head prints it)")
 
@@ -143,10 +144,16 @@ def submit_entrypoint(address: str, entrypoint: list[str], working_dir: Path | N
     Outcome once it ends, or its job id with wait=False. Raises SubmitError (one line)."""
     client = client_for(address)
     runtime_env = {"working_dir": str(working_dir), "excludes": UPLOAD_EXCLUDES} if working_dir else None
-    try:
-        job_id = client.submit_job(entrypoint=shlex.join(entrypoint), runtime_env=runtime_env, submission_id=job_id)
-    except Exception as exc:
-        raise SubmitError(_connect_error(address, exc, ray_token())) from None
+    deadline = time.monotonic() + AGENT_WAIT_S
+    while True:
+        try:
+            job_id = client.submit_job(entrypoint=shlex.join(entrypoint), runtime_env=runtime_env, submission_id=job_id)
+            break
+        except Exception as exc:
+            # a head just started answers before its job agent is up ("try again later")
+            if "No available agent" not in str(exc) or time.monotonic() > deadline:
+                raise SubmitError(_connect_error(address, exc, ray_token())) from None
+            time.sleep(2)
     print(f"mtp-canary submit: job {job_id} submitted to {address}", file=sys.stderr, flush=True)
     if not wait:
         return job_id

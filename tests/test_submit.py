@@ -44,7 +44,11 @@ def _head(**auth_env: str):
     try:
         subprocess.run([str(Path(bindir) / "ray"), "start", "--head", f"--port={port}", "--node-ip-address=127.0.0.1",
                         "--num-cpus=2", "--include-dashboard=true", "--dashboard-host=127.0.0.1",
-                        f"--dashboard-port={dash}", f"--temp-dir={temp}", "--disable-usage-stats"],
+                        f"--dashboard-port={dash}", f"--temp-dir={temp}", "--disable-usage-stats",
+                        # the agent's HTTP port is fixed (52365) by default: a second head on the machine
+                        # (the other fixture's, another session's) would leave this one with no job agent
+                        f"--dashboard-agent-listen-port={_free_port()}", f"--dashboard-agent-grpc-port={_free_port()}",
+                        f"--metrics-export-port={_free_port()}", f"--runtime-env-agent-port={_free_port()}"],
                        check=True, capture_output=True, timeout=180, env=env)
         address = f"http://127.0.0.1:{dash}"
         deadline = time.monotonic() + 90
