@@ -23,6 +23,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from cluster.engine_spec import EngineSpec
 from cluster.metrics import MetricsSnapshot
+from cluster.placement import CPU_PLACEMENT_TIMEOUT_S, FLEET_START_SLACK_S, replica_bundle
 from cluster.ray_cluster import find_actor, kill_quietly
 from cluster.replica import ReplicaState, ReplicaStatus, VLLMReplica
 
@@ -37,6 +38,9 @@ class ArmSpec(BaseModel):
     name: str = Field(..., pattern=r"^[a-z][a-z0-9_-]*$")
     engine: EngineSpec
     replicas: int = Field(1, ge=1)
+    # reserved in each GPU replica's bundle and held by its actor (cluster.placement); the
+    # run's config fills in tensor_parallel_size + 2 on GPU
+    cpus_per_replica: float = Field(0.0, ge=0)
 
 
 class FleetStartError(RuntimeError):
@@ -72,7 +76,7 @@ class Fleet:
     detached: bool = False
     lease_s: float | None = None  # renewed once at creation; the owner keeps renewing (renew_lease)
     bind_host: str = "127.0.0.1"  # "0.0.0.0" when Locust or the router run on another node
-    placement_timeout_s: float = 60.0
+    placement_timeout_s: float = CPU_PLACEMENT_TIMEOUT_S  # the run's config: 900 s when any arm is on GPU
     poll_s: float = 2.0
     replicas: list[ReplicaHandle] = field(default_factory=list)
     cpu_cores: dict[str, str | None] = field(default_factory=dict)  # replica -> bound cores (plan_cpu_cores)
@@ -83,18 +87,17 @@ class Fleet:
         specs = [(arm, i) for arm in self.arms for i in range(arm.replicas)]
         if all(arm.engine.device == "cpu" for arm in self.arms):
             return [None] * len(specs)
-        bundles = [
-            {"GPU": float(arm.engine.tensor_parallel_size)} if arm.engine.device == "gpu" else {"CPU": 0.001}
-            for arm, _ in specs
-        ]
+        bundles = [replica_bundle(arm.engine, arm.cpus_per_replica) for arm, _ in specs]
         pg_options = {"name": f"{self.actor_name_prefix}gpus", "lifetime": "detached"} if self.detached else {}
         pg = placement_group(bundles, strategy="PACK", **pg_options)
-        if not _wait_placement(pg, self.placement_timeout_s):
+        if not _wait_placement(pg, self.placement_timeout_s, self.progress):
             remove_placement_group(pg)
-            need = ", ".join(f"{arm.name}: {arm.replicas} x {arm.engine.tensor_parallel_size} GPU" for arm in self.arms)
+            need = ", ".join(
+                f"{arm.name}: {arm.replicas} x {replica_bundle(arm.engine, arm.cpus_per_replica)}" for arm in self.arms
+            )
             raise FleetStartError(
-                f"the cluster cannot place every replica ({need}) within {self.placement_timeout_s:g} s; "
-                f"available: {ray.available_resources()}"
+                f"the cluster cannot place every replica ({need}) within {self.placement_timeout_s:g} s "
+                f"(placement_timeout_s); available: {ray.available_resources()}"
             )
         self._placement_group = pg
         return [
@@ -150,6 +153,8 @@ class Fleet:
                 if self.cpu_cores.get(name) and engine.device == "cpu":
                     engine = engine.model_copy(update={"cpu": engine.cpu.model_copy(update={"cores": self.cpu_cores[name]})})
                 options: dict = {"num_gpus": arm.engine.tensor_parallel_size if arm.engine.device == "gpu" else 0}
+                if arm.engine.device == "gpu" and arm.cpus_per_replica > 0:
+                    options["num_cpus"] = arm.cpus_per_replica  # the bundle's CPUs, held by the replica
                 if strategies[index] is not None:
                     options["scheduling_strategy"] = strategies[index]
                 if self.actor_name_prefix:
@@ -169,8 +174,16 @@ class Fleet:
                 index += 1
         return self.replicas
 
+    def start_timeout_s(self) -> float:
+        """The default clock of start(): placement, then the slowest engine's own startup_timeout_s."""
+        return self.placement_timeout_s + max(a.engine.startup_timeout_s for a in self.arms) + FLEET_START_SLACK_S
+
     def start(self, timeout_s: float | None = None) -> dict[str, list[str]]:
-        """Start every replica in parallel; return arm -> replica URLs, or raise FleetStartError."""
+        """Start every replica in parallel; return arm -> replica URLs, or raise FleetStartError.
+
+        timeout_s covers placement and every replica's start (None: start_timeout_s()); each
+        replica also keeps its own engine.startup_timeout_s from its launch."""
+        timeout_s = self.start_timeout_s() if timeout_s is None else timeout_s
         total = sum(arm.replicas for arm in self.arms)
         self.progress(f"fleet: starting {total} replica(s): " + ", ".join(f"{a.name} x{a.replicas}" for a in self.arms))
         started = time.monotonic()
@@ -208,7 +221,7 @@ class Fleet:
             now = time.monotonic()
             if timeout_s is not None and now - started > timeout_s:
                 waiting = [st.name for st in statuses if st.state != ReplicaState.READY]
-                raise FleetStartError(f"replicas {waiting} not ready within {timeout_s:g} s")
+                raise FleetStartError(f"replicas {waiting} not ready within {timeout_s:g} s (startup_timeout_s)")
             if now - last_report >= 15:
                 last_report = now
                 waiting = [st for st in statuses if st.state != ReplicaState.READY]
@@ -338,9 +351,16 @@ def _named_placement_group(name: str):
         return None
 
 
-def _wait_placement(pg, timeout_s: float) -> bool:
-    try:
-        ray.get(pg.ready(), timeout=timeout_s)
-        return True
-    except ray.exceptions.GetTimeoutError:
-        return False
+def _wait_placement(pg, timeout_s: float, progress: Progress = print, every_s: float = 30.0) -> bool:
+    """Wait for the group, saying every every_s that it still waits (an autoscaler may be adding nodes)."""
+    ready = pg.ready()
+    deadline = time.monotonic() + timeout_s
+    while True:
+        left = deadline - time.monotonic()
+        try:
+            ray.get(ready, timeout=max(0.1, min(every_s, left)))
+            return True
+        except ray.exceptions.GetTimeoutError:
+            if time.monotonic() >= deadline:
+                return False
+            progress(f"fleet: waiting for the cluster to place every replica ({left:.0f} s left of placement_timeout_s)")

@@ -15,6 +15,13 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from cluster.engine_spec import EngineSpec
+from cluster.placement import (
+    CPU_PLACEMENT_TIMEOUT_S,
+    FLEET_START_SLACK_S,
+    GPU_PLACEMENT_TIMEOUT_S,
+    default_cpus_per_replica,
+    default_placement_timeout_s,
+)
 from cluster.router_limits import RouterLimits
 from rollout.evals import EvalSpec
 from rollout.judge.config import GatesConfig, GuardConfig
@@ -62,6 +69,12 @@ class ArmConfig(BaseModel):
 
     replicas: int = Field(1, ge=1, le=1024)
     engine: EngineSpec
+    cpus_per_replica: float | None = Field(
+        None,
+        ge=0,
+        description="CPUs each replica's placement bundle reserves beside its GPUs (vLLM's API server, engine core "
+        "and one worker per GPU are busy processes); null: tensor_parallel_size + 2 on GPU, 0 on CPU",
+    )
     tiny_model: TinyModelOptions | None = Field(
         None, description="write the tiny checkpoint and serve it (engine.model is then ignored)"
     )
@@ -243,7 +256,20 @@ class RolloutConfig(BaseModel):
         "auth_token_env: beyond loopback a bearer token is required (from that variable, else one per run)",
     )
     keep_fleet: bool = Field(False, description="leave the replicas running after the decision")
-    startup_timeout_s: float = Field(900, gt=0, description="all replicas must be ready within this")
+    placement_timeout_s: float | None = Field(
+        None,
+        gt=0,
+        description="how long the fleet waits for Ray to place every replica's bundle (GPUs and CPUs) before it "
+        "gives up and withdraws the request (an autoscaler adds nodes only while it stands); null: "
+        f"{GPU_PLACEMENT_TIMEOUT_S:g} s when any arm is on GPU, {CPU_PLACEMENT_TIMEOUT_S:g} s on CPU",
+    )
+    startup_timeout_s: float | None = Field(
+        None,
+        gt=0,
+        description="the fleet's whole start: placement, then every replica ready (each within its own "
+        "engine.startup_timeout_s); at least placement_timeout_s + the longest engine.startup_timeout_s; "
+        f"null: that sum + {FLEET_START_SLACK_S:g} s",
+    )
     lease_s: float = Field(
         300,
         ge=10,
@@ -270,6 +296,30 @@ class RolloutConfig(BaseModel):
             raise ValueError(
                 f"experiment.arm_users: the {users} users must split evenly over {max(exp.workers, 1)} Locust "
                 "worker(s) and 2 arms (change users_per_replica or workers)"
+            )
+        return self
+
+    @model_validator(mode="after")
+    def _timeouts_fit(self) -> "RolloutConfig":
+        # The fleet's clock covers placement and then each replica's own start; one shorter than
+        # their sum gives up on a start still within its limits (MiMo-V2.5: 1800 s of engine start
+        # under a 900 s fleet clock burnt 12 H200 x 15 min). Filled in here, so decision.json,
+        # `plan` and the fleet all see the numbers the run uses.
+        arms = (self.baseline, self.canary)
+        for arm in arms:
+            if arm.cpus_per_replica is None:
+                arm.cpus_per_replica = default_cpus_per_replica(arm.engine)
+        if self.placement_timeout_s is None:
+            self.placement_timeout_s = default_placement_timeout_s([arm.engine for arm in arms])
+        engine_s = max(arm.engine.startup_timeout_s for arm in arms)
+        need = self.placement_timeout_s + engine_s
+        if self.startup_timeout_s is None:
+            self.startup_timeout_s = need + FLEET_START_SLACK_S
+        elif self.startup_timeout_s < need:
+            raise ValueError(
+                f"startup_timeout_s: {self.startup_timeout_s:g} s is shorter than placement_timeout_s "
+                f"({self.placement_timeout_s:g} s) + the longest engine.startup_timeout_s ({engine_s:g} s) = "
+                f"{need:g} s: the fleet would give up on replicas still within their own limits"
             )
         return self
 

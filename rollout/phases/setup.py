@@ -107,7 +107,8 @@ class StartFleet:
         ctx.say(connect(cfg.ray.address, namespace=ctx.namespace))
         t0 = time.monotonic()
         arms = [
-            ArmSpec(name=arm, engine=engine, replicas=ctx.result.arms[arm]["replicas"])
+            ArmSpec(name=arm, engine=engine, replicas=ctx.result.arms[arm]["replicas"],
+                    cpus_per_replica=(cfg.canary if arm == CANARY else cfg.baseline).cpus_per_replica)
             for arm, engine in ctx.engines.items()
         ]
         # Named and detached in the run's namespace: a resumed controller finds them.
@@ -120,6 +121,7 @@ class StartFleet:
             namespace=ctx.namespace,
             detached=True,
             lease_s=cfg.lease_s,
+            placement_timeout_s=cfg.placement_timeout_s,
         )
         ctx.leases.start()  # before anything starts: a fleet start can take many minutes
         previous_router = find_actor(ROUTER_NAME, namespace=ctx.namespace) if ctx.resuming else None
@@ -130,6 +132,7 @@ class StartFleet:
             if ctx.resuming:
                 ctx.fleet.remove_leftovers()
             ctx.event("fleet", "start", ", ".join(f"{a.name} x{a.replicas}" for a in arms))
+            # placement, then every engine's own startup_timeout_s (the config checked that they fit)
             urls = ctx.fleet.start(timeout_s=cfg.startup_timeout_s)
             ctx.event("fleet", "ready", f"{sum(len(u) for u in urls.values())} replicas")
         self._report_cores(ctx)

@@ -1,0 +1,81 @@
+"""Where things go on the cluster: each replica's bundle, the placement clock, the load's nodes.
+
+Plain rules, no Ray calls except where a function says it reads the cluster: the fleet
+reserves what `replica_bundle` says, `mtp-canary plan` prints the same bundles before
+anything is reserved, and the config fills its defaults from here.
+
+- A GPU replica's bundle reserves CPUs beside its GPUs (`cpus_per_replica`): vLLM's API
+  server, its engine core and one worker per GPU are busy processes, and a bundle of GPUs
+  only lets Ray put Locust workers on the same cores.
+- The placement clock: on GPU an autoscaler (KubeRay) takes minutes to bring an H200 node
+  up, and removing the placement group also withdraws its demand, so the default is long.
+- Locust's `auto` placement: CPU-only nodes when the cluster has both kinds, so the load's
+  own CPU use does not perturb one arm's TTFT/TPOT on a GPU node; else `spread`.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Sequence
+from typing import Any
+
+from cluster.engine_spec import EngineSpec
+
+GPU_PLACEMENT_TIMEOUT_S = 900.0  # an H200 node through an autoscaler: minutes, not seconds
+CPU_PLACEMENT_TIMEOUT_S = 60.0  # what the fleet always waited on a CPU cluster
+# between placement and a replica's own startup clock: actor creation and launch
+FLEET_START_SLACK_S = 60.0
+CPU_BUNDLE = 0.001  # a CPU replica's token bundle inside a mixed placement group
+# busy processes of a vLLM server besides its GPU workers: the API server and the engine core
+SERVER_PROCESSES = 2
+
+
+def default_cpus_per_replica(engine: EngineSpec) -> float:
+    """CPUs a replica's bundle reserves when the config does not say: one per GPU worker plus
+    the API server and engine core on GPU; 0 on CPU (CpuLimits bounds those, as before)."""
+    return float(engine.tensor_parallel_size + SERVER_PROCESSES) if engine.device == "gpu" else 0.0
+
+
+def default_placement_timeout_s(engines: Iterable[EngineSpec]) -> float:
+    return GPU_PLACEMENT_TIMEOUT_S if any(e.device == "gpu" for e in engines) else CPU_PLACEMENT_TIMEOUT_S
+
+
+def replica_bundle(engine: EngineSpec, cpus: float) -> dict[str, float]:
+    """The placement-group bundle of one replica (all its GPUs on one node, its CPUs beside them)."""
+    if engine.device != "gpu":
+        return {"CPU": CPU_BUNDLE}
+    bundle = {"GPU": float(engine.tensor_parallel_size)}
+    if cpus > 0:
+        bundle["CPU"] = float(cpus)
+    return bundle
+
+
+def alive_nodes(nodes: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
+    return [n for n in nodes if n.get("Alive")]
+
+
+def cpu_only_nodes(nodes: Sequence[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Live nodes (ray.nodes() entries) with CPUs to give and no GPU."""
+    return [
+        n for n in alive_nodes(nodes)
+        if n.get("Resources", {}).get("CPU", 0) > 0 and not n.get("Resources", {}).get("GPU", 0)
+    ]
+
+
+def auto_worker_nodes(nodes: Sequence[dict[str, Any]]) -> list[str] | None:
+    """Node ids Locust's `auto` placement keeps to, or None (spread over every node): the
+    CPU-only nodes when the cluster also has GPU nodes."""
+    live = alive_nodes(nodes)
+    has_gpu = any(n.get("Resources", {}).get("GPU", 0) for n in live)
+    cpu_only = cpu_only_nodes(live)
+    if not has_gpu or not cpu_only:
+        return None
+    return [str(n["NodeID"]) for n in cpu_only]
+
+
+def auto_worker_options(nodes: Sequence[dict[str, Any]]) -> dict[str, Any]:
+    """Ray actor options of `auto` (see auto_worker_nodes): spread, restricted by a label
+    selector on the node id (Ray gives every node its `ray.io/node-id` label)."""
+    chosen = auto_worker_nodes(nodes)
+    if chosen is None:
+        return {"scheduling_strategy": "SPREAD"}
+    return {"scheduling_strategy": "SPREAD", "label_selector": {"ray.io/node-id": f"in({','.join(chosen)})"}}
