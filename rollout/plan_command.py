@@ -1,0 +1,330 @@
+"""`mtp-canary plan CONFIG`: what a run would reserve and whether its nodes can run it, before
+any engine starts.
+
+On the connected cluster (the config's ray.address) it reserves the run's placement group
+for a moment (every replica's bundle: GPUs and CPUs), reads which node holds each bundle and
+which GPU ids a task in it gets, and removes it at once. Then one tiny task pinned to each
+target node (NodeAffinitySchedulingStrategy, soft=False) imports the modules a run needs
+there and reports their versions; a node missing one, or with another Ray than the driver,
+fails the plan naming node and cause. It prints the timeouts the fleet will use and the
+GPU-hours the run may hold.
+
+Exit 0: every check passed; 1: a check failed (one line per failure on stderr, naming the
+node); 2: a bad config.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass, field
+from typing import Any
+
+# what a run imports on its nodes: the engine, Ray, the load generator, the project itself
+RUN_MODULES = ("vllm", "ray", "locust", "scipy", "aiohttp", "rollout", "cluster", "loadtests")
+# the fleet's teardown waits up to 60 s for every replica's stop; `ray job stop` must wait longer
+TEARDOWN_GRACE_S = 90
+PLACEMENT_PROBE_S = 10.0
+
+
+@dataclass
+class ReplicaPlan:
+    name: str
+    arm: str
+    bundle: dict[str, float]
+    node_id: str | None = None
+    node_ip: str | None = None
+    gpu_ids: list[str] = field(default_factory=list)
+
+
+@dataclass
+class NodeCheck:
+    node_id: str
+    node_ip: str
+    roles: list[str]
+    versions: dict[str, str] = field(default_factory=dict)
+    missing: dict[str, str] = field(default_factory=dict)  # module -> why it did not import
+    problems: list[str] = field(default_factory=list)
+
+
+@dataclass
+class Plan:
+    replicas: list[ReplicaPlan]
+    nodes: list[NodeCheck]
+    timeouts: dict[str, Any]
+    gpu_hours: dict[str, Any]
+    failures: list[str]
+    notes: list[str]
+
+    @property
+    def ok(self) -> bool:
+        return not self.failures
+
+    def document(self) -> dict[str, Any]:
+        return {"ok": self.ok, **asdict(self)}
+
+
+_PROBE = """
+import importlib, importlib.metadata, json, sys
+name = sys.argv[1]
+module = importlib.import_module(name)
+version = getattr(module, "__version__", None)
+if version is None:
+    try:
+        version = importlib.metadata.version(name)
+    except importlib.metadata.PackageNotFoundError:
+        pass
+print(json.dumps(str(version or "present")))
+"""
+
+
+def module_versions(modules: Sequence[str], timeout_s: float = 240) -> dict[str, dict[str, str]]:
+    """Import each module in a child of this node's Python, one child per module;
+    {"versions": {module: version}, "missing": {module: the import's last error line}}.
+    Children, not this process: locust's gevent patching hangs a Ray worker, and after ray or
+    ssl is imported it fails (RecursionError), so locust never shares a process with them."""
+    import subprocess
+
+    versions: dict[str, str] = {}
+    missing: dict[str, str] = {}
+    for name in modules:
+        try:
+            done = subprocess.run([sys.executable, "-c", _PROBE, name], capture_output=True, text=True,
+                                  timeout=timeout_s, check=False)
+        except subprocess.TimeoutExpired:
+            missing[name] = f"import did not finish within {timeout_s:g} s"
+            continue
+        if done.returncode == 0:
+            versions[name] = json.loads(done.stdout.strip().splitlines()[-1])
+        else:
+            lines = (done.stderr or "").strip().splitlines() or [f"exit {done.returncode}"]
+            missing[name] = lines[-1][:200]
+    return {"versions": versions, "missing": missing}
+
+
+def _arms(cfg) -> list[tuple[str, Any]]:
+    from cluster.arms import BASELINE, CANARY
+    from rollout.config import TWIN
+
+    arms = [(BASELINE, cfg.baseline), (CANARY, cfg.canary)]
+    return arms + [(TWIN, cfg.baseline)] if cfg.twin_baseline else arms
+
+
+def gpu_hours(cfg) -> dict[str, Any]:
+    """GPU-hours the run may hold: GPUs (replicas x tensor_parallel_size over GPU arms) x the
+    planned duration, each phase at its bound: the fleet start at startup_timeout_s, the
+    experiment at max_duration_s, the sweep's levels x step_s, the progressive steps' bake_s
+    (and pause_timeout_s where a step pauses). The accuracy phase has no time bound and is
+    left out (so is the gap between phases)."""
+    gpus = sum(arm.replicas * arm.engine.tensor_parallel_size for _, arm in _arms(cfg) if arm.engine.device == "gpu")
+    phases = {"fleet_start_s": cfg.startup_timeout_s}
+    if cfg.experiment.enabled:
+        phases["experiment_s"] = cfg.experiment.max_duration_s
+        phases["sweep_s"] = len(cfg.experiment.sweep.levels) * cfg.experiment.sweep.step_s
+    if cfg.progressive.enabled:
+        phases["progressive_s"] = sum(
+            s.bake_s + (cfg.progressive.pause_timeout_s if s.pause else 0) for s in cfg.progressive.steps
+        )
+    seconds = sum(phases.values())
+    return {
+        "gpus": gpus,
+        "planned_s": seconds,
+        "phases": phases,
+        "gpu_hours": round(gpus * seconds / 3600, 2),
+        "estimate": "GPUs (replicas x tensor_parallel_size) x (startup_timeout_s + experiment.max_duration_s + "
+        "sweep + progressive bake), each at its bound; the accuracy phase (unbounded) is not included",
+    }
+
+
+def timeouts(cfg) -> dict[str, Any]:
+    engine = {arm: a.engine.startup_timeout_s for arm, a in _arms(cfg)}
+    return {
+        "placement_timeout_s": cfg.placement_timeout_s,
+        "engine_startup_timeout_s": engine,
+        "startup_timeout_s": cfg.startup_timeout_s,
+        "fits": cfg.startup_timeout_s >= cfg.placement_timeout_s + max(engine.values()),
+        "job_stop_wait_s": os.environ.get("RAY_JOB_STOP_WAIT_TIME_S"),
+    }
+
+
+def plan_replicas(cfg) -> list[ReplicaPlan]:
+    from cluster.placement import replica_bundle
+
+    return [
+        ReplicaPlan(name=f"{arm}-{i}", arm=arm, bundle=replica_bundle(a.engine, a.cpus_per_replica))
+        for arm, a in _arms(cfg) for i in range(a.replicas)
+    ]
+
+
+def place(replicas: list[ReplicaPlan], wait_s: float) -> str | None:
+    """Reserve every bundle (PACK, as the fleet), fill in node and GPU ids, remove the group;
+    the reason it could not, or None."""
+    import ray
+    from ray.util.placement_group import placement_group, placement_group_table, remove_placement_group
+    from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
+
+    @ray.remote(num_cpus=0)
+    def where() -> tuple[str, str, list[str]]:
+        ctx = ray.get_runtime_context()
+        return ctx.get_node_id(), ray.util.get_node_ip_address(), [str(g) for g in ctx.get_accelerator_ids().get("GPU", [])]
+
+    pg = placement_group([r.bundle for r in replicas], strategy="PACK")
+    try:
+        try:
+            ray.get(pg.ready(), timeout=wait_s)
+        except ray.exceptions.GetTimeoutError:
+            need = ", ".join(f"{r.name}: {r.bundle}" for r in replicas)
+            return (f"the cluster cannot hold every replica now ({need}); available: {ray.available_resources()} "
+                    "(an autoscaler may still add nodes within placement_timeout_s)")
+        refs = []
+        for i, r in enumerate(replicas):
+            gpus = r.bundle.get("GPU", 0)
+            strategy = PlacementGroupSchedulingStrategy(placement_group=pg, placement_group_bundle_index=i)
+            refs.append(where.options(num_gpus=gpus, scheduling_strategy=strategy).remote())
+        for r, (node_id, ip, gpu_ids) in zip(replicas, ray.get(refs, timeout=60)):
+            r.node_id, r.node_ip, r.gpu_ids = node_id, ip, gpu_ids
+        bundles = placement_group_table(pg).get("bundles_to_node_id", {})
+        for i, r in enumerate(replicas):
+            r.node_id = bundles.get(i, r.node_id)
+        return None
+    finally:
+        remove_placement_group(pg)
+
+
+def check_nodes(targets: dict[str, list[str]], modules: Sequence[str]) -> list[NodeCheck]:
+    """One task per target node (node id -> roles), pinned there, importing `modules`."""
+    import ray
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    probe = ray.remote(num_cpus=0)(module_versions)
+    ips = {n["NodeID"]: n.get("NodeManagerAddress", "?") for n in ray.nodes()}
+    refs = {
+        node: probe.options(scheduling_strategy=NodeAffinitySchedulingStrategy(node_id=node, soft=False)).remote(
+            list(modules))
+        for node in targets
+    }
+    here = ray.__version__
+    checks = []
+    for node, ref in refs.items():
+        check = NodeCheck(node_id=node, node_ip=ips.get(node, "?"), roles=sorted(set(targets[node])))
+        try:
+            answer = ray.get(ref, timeout=300)
+        except Exception as exc:
+            check.problems.append(f"the check task did not run: {type(exc).__name__}: {exc}"[:300])
+            checks.append(check)
+            continue
+        check.versions, check.missing = answer["versions"], answer["missing"]
+        for module, why in check.missing.items():
+            check.problems.append(f"cannot import {module} ({why})")
+        theirs = check.versions.get("ray")
+        if theirs and theirs != here:
+            check.problems.append(f"ray {theirs}, the driver runs ray {here} (Ray needs one version cluster-wide)")
+        checks.append(check)
+    return checks
+
+
+def target_nodes(cfg, replicas: list[ReplicaPlan]) -> tuple[dict[str, list[str]], list[str]]:
+    """node id -> roles (replica names, 'driver', 'locust'), and notes on where Locust goes."""
+    import ray
+
+    from cluster.placement import alive_nodes, auto_worker_nodes
+
+    nodes = ray.nodes()
+    driver = ray.get_runtime_context().get_node_id()
+    targets: dict[str, list[str]] = {driver: ["driver"]}
+    for r in replicas:
+        if r.node_id:
+            targets.setdefault(r.node_id, []).append(r.name)
+    notes = []
+    placement = cfg.experiment.worker_placement
+    if placement == "local" or cfg.experiment.workers == 0:
+        locust = [driver]
+    else:
+        locust = [str(n["NodeID"]) for n in alive_nodes(nodes)]
+        cpu_only = auto_worker_nodes(nodes)
+        if placement == "spread" and cpu_only:
+            notes.append(f"Locust workers ('spread') may land on GPU nodes beside vLLM; CPU-only nodes: "
+                         f"{', '.join(cpu_only)} (experiment.worker_placement: node:<id> or label:... keeps them there)")
+    for node in locust:
+        targets.setdefault(node, []).append("locust")
+    return targets, notes
+
+
+def make_plan(cfg, modules: Sequence[str] = RUN_MODULES, placement_wait_s: float = PLACEMENT_PROBE_S) -> Plan:
+    replicas = plan_replicas(cfg)
+    failures: list[str] = []
+    why = place(replicas, placement_wait_s)
+    if why:
+        failures.append(f"placement: {why}")
+    targets, notes = target_nodes(cfg, replicas)
+    nodes = check_nodes(targets, modules)
+    for check in nodes:
+        for problem in check.problems:
+            failures.append(f"node {check.node_ip} ({check.node_id[:12]}, {', '.join(check.roles)}): {problem}")
+    times = timeouts(cfg)
+    if os.environ.get("RAY_JOB_ID"):
+        grace = times["job_stop_wait_s"]
+        if grace is None or not grace.isdigit() or int(grace) < TEARDOWN_GRACE_S:
+            failures.append(
+                f"driver: RAY_JOB_STOP_WAIT_TIME_S is {grace or 'unset (3 s)'}: `ray job stop` would SIGKILL the "
+                f"teardown; submit with --runtime-env-json '{{\"env_vars\": {{\"RAY_JOB_STOP_WAIT_TIME_S\": "
+                f"\"{TEARDOWN_GRACE_S}\"}}}}'"
+            )
+    return Plan(replicas=replicas, nodes=nodes, timeouts=times, gpu_hours=gpu_hours(cfg), failures=failures,
+                notes=notes)
+
+
+def render(plan: Plan) -> str:
+    lines = ["placement:"]
+    for r in plan.replicas:
+        gpus = f" GPUs {','.join(r.gpu_ids)}" if r.gpu_ids else ""
+        lines.append(f"  {r.name}: {r.bundle} on {r.node_ip or '?'} ({(r.node_id or '?')[:12]}){gpus}")
+    lines.append("nodes:")
+    for n in plan.nodes:
+        state = "ok" if not n.problems else "FAILED: " + "; ".join(n.problems)
+        versions = ", ".join(f"{m} {v}" for m, v in sorted(n.versions.items()))
+        lines.append(f"  {n.node_ip} ({n.node_id[:12]}, {', '.join(n.roles)}): {state} [{versions}]")
+    t = plan.timeouts
+    lines.append(f"timeouts: placement {t['placement_timeout_s']:g} s + engine "
+                 + ", ".join(f"{a} {s:g} s" for a, s in t["engine_startup_timeout_s"].items())
+                 + f" <= fleet {t['startup_timeout_s']:g} s: {'ok' if t['fits'] else 'NO'}")
+    g = plan.gpu_hours
+    lines.append(f"GPU-hours: {g['gpu_hours']} ({g['gpus']} GPUs x {g['planned_s'] / 3600:.2f} h; {g['estimate']})")
+    lines += [f"note: {n}" for n in plan.notes]
+    lines.append("plan: every check passed" if plan.ok else f"plan: {len(plan.failures)} check(s) failed")
+    return "\n".join(lines)
+
+
+def main(argv: Sequence[str] | None = None, modules: Sequence[str] = RUN_MODULES) -> int:
+    parser = argparse.ArgumentParser(prog="mtp-canary plan", description=__doc__.split("\n\n")[0])
+    parser.add_argument("config", help="the run's YAML config")
+    parser.add_argument("--json", action="store_true", help="print one JSON object")
+    parser.add_argument("--placement-wait-s", type=float, default=PLACEMENT_PROBE_S,
+                        help="how long to wait for the trial placement group (default %(default)s s)")
+    args = parser.parse_args(argv)
+
+    from rollout.config import ConfigError, load_config
+
+    try:
+        cfg = load_config(args.config)
+    except ConfigError as exc:
+        print(f"mtp-canary: bad config: {exc}", file=sys.stderr)
+        return 2
+
+    from cluster.ray_cluster import connect
+
+    said = connect(cfg.ray.address)
+    if not args.json:
+        print(said)
+    plan = make_plan(cfg, modules=modules, placement_wait_s=args.placement_wait_s)
+    print(json.dumps(plan.document(), indent=2, sort_keys=True) if args.json else render(plan))
+    for failure in plan.failures:
+        print(f"mtp-canary plan: {failure}", file=sys.stderr)
+    return 0 if plan.ok else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
