@@ -224,7 +224,7 @@ class Controller:
         if promoted:
             self._write_promoted(model)
         paths = write_reports(result)
-        ctx.say(f"report: {paths['decision']}, {paths['report']} and {paths['html']}")
+        ctx.say(f"report: {paths['decision']}, {paths['report']}, {paths['html']}, {paths['junit'].name}, {paths['metrics'].name}")
         if ctx.cfg.webhook_url:
             outcome = post_decision(ctx.cfg.webhook_url, decision_document(result), allow_http=ctx.cfg.webhook_allow_http)
             state = f"delivered (HTTP {outcome.status})" if outcome.ok else f"not delivered: {outcome.error}"

@@ -1,4 +1,5 @@
-"""The run's record for machines and people: decision.json, report.md and report.html (rollout.report_html)."""
+"""The run's record for machines and people: decision.json, report.md, report.html (rollout.report_html),
+junit.xml and metrics.prom (rollout.pipeline_artifacts)."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ from typing import Any
 
 from rollout.atomic_file import write_atomically
 from rollout.load_sweep import sweep_table
+from rollout.pipeline_artifacts import write_pipeline_artifacts
 from rollout.report_html import write_html_report
 from rollout.result import RunResult, decision_document
 
@@ -178,13 +180,14 @@ def write_reports(result: RunResult) -> dict[str, Path]:
     report_path = run_dir / "report.md"
     write_atomically(decision_path, json.dumps(doc, indent=2, default=str))
     write_atomically(report_path, markdown_report(doc))
+    pipeline = write_pipeline_artifacts(doc, run_dir)  # junit.xml and metrics.prom, for CI and dashboards
     # last: the page reads the run's records too, and decision.json and report.md stand whatever they hold
     try:
         html_path = write_html_report(doc, run_dir)
     except Exception as exc:  # noqa: BLE001 - a page that cannot be drawn must not turn a decided run into a crash
         html_path = run_dir / "report.html"
         write_atomically(html_path, plain_html_page(doc, exc))
-    return {"decision": decision_path, "report": report_path, "html": html_path}
+    return {"decision": decision_path, "report": report_path, **pipeline, "html": html_path}
 
 
 def plain_html_page(doc: dict[str, Any], exc: BaseException) -> str:
@@ -204,16 +207,17 @@ def regenerate_reports(run_dir: Path) -> dict[str, Path]:
     doc = json.loads((Path(run_dir) / "decision.json").read_text())
     report_path = Path(run_dir) / "report.md"
     write_atomically(report_path, markdown_report(doc))
+    pipeline = write_pipeline_artifacts(doc, Path(run_dir))
     try:
         html_path = write_html_report(doc, Path(run_dir))
     except Exception as exc:  # noqa: BLE001 - as in write_reports
         html_path = Path(run_dir) / "report.html"
         write_atomically(html_path, plain_html_page(doc, exc))
-    return {"report": report_path, "html": html_path}
+    return {"report": report_path, **pipeline, "html": html_path}
 
 
 def main(argv: list[str] | None = None) -> int:
-    """`mtp-canary report RUN_ID|RUN_DIR [--runs-dir DIR]`: write report.md and report.html again (e.g. after an upgrade)."""
+    """`mtp-canary report RUN_ID|RUN_DIR [--runs-dir DIR]`: write report.md, report.html, junit.xml and metrics.prom again."""
     import argparse
     import sys
 
@@ -227,5 +231,5 @@ def main(argv: list[str] | None = None) -> int:
     except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
         print(f"mtp-canary report: {run_dir / 'decision.json'}: cannot read it ({type(exc).__name__}: {exc})", file=sys.stderr)
         return 2
-    print(f"{paths['report']}\n{paths['html']}")
+    print("\n".join(str(path) for path in paths.values()))
     return 0

@@ -154,7 +154,7 @@ def test_a_broken_records_file_leaves_the_run_s_artifacts_and_says_so(tmp_path):
     config = yaml.safe_load((REPO / "configs" / "local-cpu.yaml").read_text())
     config.update(name=doc["name"], gates=doc["gates_config"])
     paths = write_reports(RunResult.from_document(doc, parse_config(config), run_dir))
-    assert set(paths) == {"decision", "report", "html"}
+    assert set(paths) == {"decision", "report", "html", "junit", "metrics"}
     assert json.loads(paths["decision"].read_text())["decision"] == "promote"
     page = paths["html"].read_text()
     assert paths["html"] == run_dir / "report.html"
