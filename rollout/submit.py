@@ -20,6 +20,7 @@ import asyncio
 import os
 import re
 import shlex
+import signal
 import sys
 import time
 from dataclasses import dataclass
@@ -165,6 +166,10 @@ def submit_entrypoint(address: str, entrypoint: list[str], working_dir: Path | N
         raise
 
 
+def _raise_keyboard_interrupt(signum, frame) -> None:
+    raise KeyboardInterrupt
+
+
 def run_entrypoint(config: Path, working_dir: Path, runs_dir: Path) -> list[str]:
     """The job's command: `rollout run` of CONFIG as the uploaded directory names it, runs_dir absolute
     (a relative one would land in Ray's unpacked copy of the working dir, deleted with the job)."""
@@ -201,6 +206,8 @@ def main(argv: list[str] | None = None, out: TextIO = sys.stdout) -> int:
               "the job sees only the uploaded directory", file=sys.stderr)
         return EXIT_USAGE
     entrypoint = run_entrypoint(config, working_dir, Path(args.runs_dir))
+    # a cancelled pipeline step sends SIGTERM: the same path as Ctrl-C (the job is stopped)
+    signal.signal(signal.SIGTERM, _raise_keyboard_interrupt)
     try:
         result = submit_entrypoint(args.address, entrypoint, working_dir, out=out, wait=not args.no_wait)
     except SubmitError as exc:
