@@ -384,6 +384,7 @@ def build_parser() -> argparse.ArgumentParser:
     # parsed by their own modules (see main): listed here for --help
     sub.add_parser("calibrate", help=CALIBRATE_HELP, add_help=False)
     sub.add_parser("judge", help=JUDGE_HELP, add_help=False)
+    sub.add_parser("plan", help="before reserving GPUs: placement, node environments, timeouts, GPU-hours", add_help=False)
     sub.add_parser("report", help="write a run's report.md and report.html again from its decision.json", add_help=False)
     sub.add_parser("compare", help="two finished runs side by side: decision, gates, latency, acceptance", add_help=False)
     sub.add_parser("submit", help="run a canary as a Ray Job; follow its log; exit with the run's own code", add_help=False)
@@ -427,6 +428,10 @@ def main(argv: list[str] | None = None) -> int:
         from rollout import rejudge
 
         return rejudge.main(argv[1:])
+    if argv[:1] == ["plan"]:
+        from rollout import plan_command
+
+        return plan_command.main(argv[1:])
     if argv[:1] == ["report"]:
         from rollout import report
 
