@@ -47,8 +47,16 @@ def key_paths(value, prefix: str = "") -> set[str]:
     return paths
 
 
+# experiment fields added since the runs were recorded, with their defaults: a run today writes them
+ADDED_EXPERIMENT_FIELDS = {"arm_users": False}
+
+
 def recorded_document(run: str) -> dict:
-    return json.loads((RECORDED / run / "decision.json").read_text())
+    """A recorded run's decision.json as a run today writes it (fields added since take their defaults)."""
+    doc = json.loads((RECORDED / run / "decision.json").read_text())
+    if doc.get("experiment"):
+        doc["experiment"] = {**doc["experiment"], **{k: v for k, v in ADDED_EXPERIMENT_FIELDS.items() if k not in doc["experiment"]}}
+    return doc
 
 
 def config_of(doc: dict):
@@ -73,9 +81,10 @@ def test_a_recorded_decision_document_survives_the_typed_result(run):
     doc = json.loads((RECORDED / run / "decision.json").read_text())
     # a gates option added since the run was recorded is written with its default: the rest must not move
     doc["gates_config"] = GatesConfig(**doc["gates_config"]).model_dump(mode="json")
-    # so is an experiment field added since (each with its default, named here: any other key that moves fails)
-    if doc["experiment"]:
-        doc["experiment"].setdefault("arm_users", False)
+    # so is an experiment field added since (ADDED_EXPERIMENT_FIELDS: any other key that moves fails)
+    for key, default in ADDED_EXPERIMENT_FIELDS.items():
+        if doc["experiment"]:
+            doc["experiment"].setdefault(key, default)
     result = RunResult.from_document(doc, config_of(doc), Path("/tmp") / run)
     # typed, not dicts: a phase that changes a shape fails here, not in a user's pipeline
     assert result.decision is None or isinstance(result.decision, Decision)
