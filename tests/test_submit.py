@@ -147,8 +147,12 @@ def test_bad_config_is_exit_2_and_nothing_submitted(tmp_path, capsys):
 
 
 def test_unreachable_job_server_is_exit_1(capsys):
-    code = submit.main(["configs/examples/local-progressive.yaml", "--address", f"http://127.0.0.1:{_free_port()}",
-                        "--working-dir", str(REPO)])
+    # a port this test holds bound and never listens on: connections are refused, and no process
+    # another test starts meanwhile (a Ray head picking free ports) can take it
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        code = submit.main(["configs/examples/local-progressive.yaml", "--address",
+                            f"http://127.0.0.1:{held.getsockname()[1]}", "--working-dir", str(REPO)])
     assert code == 1
     assert "cannot reach the Ray job server" in capsys.readouterr().err
 
