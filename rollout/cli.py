@@ -8,6 +8,7 @@ exit 2 before anything starts or is written (no Ray, no runs directory).
 from __future__ import annotations
 
 import argparse
+import importlib
 import json
 import signal
 import sys
@@ -411,6 +412,17 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+# commands whose module parses its own arguments (and imports what it needs only when called)
+DELEGATED = {
+    "judge": "rollout.rejudge",
+    "plan": "rollout.plan_command",
+    "report": "rollout.report",
+    "compare": "rollout.compare",
+    "submit": "rollout.submit",
+    "config-schema": "rollout.config_schema",
+}
+
+
 def main(argv: list[str] | None = None) -> int:
     argv = sys.argv[1:] if argv is None else argv
     if argv[:1] == ["router"]:
@@ -424,30 +436,8 @@ def main(argv: list[str] | None = None) -> int:
 
         # the house loader: --config is validated as `run` validates it (one line naming the field)
         return calibrate.main(argv[1:], load_run_config=lambda path: load_config(path).model_dump(mode="json"))
-    if argv[:1] == ["judge"]:
-        from rollout import rejudge
-
-        return rejudge.main(argv[1:])
-    if argv[:1] == ["plan"]:
-        from rollout import plan_command
-
-        return plan_command.main(argv[1:])
-    if argv[:1] == ["report"]:
-        from rollout import report
-
-        return report.main(argv[1:])
-    if argv[:1] == ["compare"]:
-        from rollout import compare
-
-        return compare.main(argv[1:])
-    if argv[:1] == ["submit"]:
-        from rollout import submit
-
-        return submit.main(argv[1:])
-    if argv[:1] == ["config-schema"]:
-        from rollout import config_schema
-
-        return config_schema.main(argv[1:])
+    if argv[:1] and argv[0] in DELEGATED:
+        return importlib.import_module(DELEGATED[argv[0]]).main(argv[1:])
     parser = build_parser()
     args = parser.parse_args(argv)
     return args.func(args)

@@ -177,17 +177,22 @@ def write_reports(result: RunResult) -> dict[str, Path]:
     run_dir.mkdir(parents=True, exist_ok=True)
     doc = decision_document(result)
     decision_path = run_dir / "decision.json"
-    report_path = run_dir / "report.md"
     write_atomically(decision_path, json.dumps(doc, indent=2, default=str))
+    return {"decision": decision_path, **_write_derived(doc, run_dir)}
+
+
+def _write_derived(doc: dict[str, Any], run_dir: Path) -> dict[str, Path]:
+    """Everything made from decision.json: report.md, junit.xml, metrics.prom, report.html."""
+    report_path = run_dir / "report.md"
     write_atomically(report_path, markdown_report(doc))
     pipeline = write_pipeline_artifacts(doc, run_dir)  # junit.xml and metrics.prom, for CI and dashboards
-    # last: the page reads the run's records too, and decision.json and report.md stand whatever they hold
+    # last: the page reads the run's records too, and the files above stand whatever it holds
     try:
         html_path = write_html_report(doc, run_dir)
     except Exception as exc:  # noqa: BLE001 - a page that cannot be drawn must not turn a decided run into a crash
         html_path = run_dir / "report.html"
         write_atomically(html_path, plain_html_page(doc, exc))
-    return {"decision": decision_path, "report": report_path, **pipeline, "html": html_path}
+    return {"report": report_path, **pipeline, "html": html_path}
 
 
 def plain_html_page(doc: dict[str, Any], exc: BaseException) -> str:
@@ -203,17 +208,9 @@ def plain_html_page(doc: dict[str, Any], exc: BaseException) -> str:
 
 
 def regenerate_reports(run_dir: Path) -> dict[str, Path]:
-    """report.md and report.html again from a run's decision.json (decision.json itself is left as it is)."""
+    """report.md, junit.xml, metrics.prom and report.html again from a run's decision.json (left as it is)."""
     doc = json.loads((Path(run_dir) / "decision.json").read_text())
-    report_path = Path(run_dir) / "report.md"
-    write_atomically(report_path, markdown_report(doc))
-    pipeline = write_pipeline_artifacts(doc, Path(run_dir))
-    try:
-        html_path = write_html_report(doc, Path(run_dir))
-    except Exception as exc:  # noqa: BLE001 - as in write_reports
-        html_path = Path(run_dir) / "report.html"
-        write_atomically(html_path, plain_html_page(doc, exc))
-    return {"report": report_path, **pipeline, "html": html_path}
+    return _write_derived(doc, Path(run_dir))
 
 
 def main(argv: list[str] | None = None) -> int:
