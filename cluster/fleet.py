@@ -106,7 +106,7 @@ class Fleet:
         ]
 
     def plan_cpu_cores(self) -> dict[str, str | None]:
-        """Replica name -> the cores its OMP threads are bound to (None: unbound, shares cores).
+        """Replica name -> the cores it is bound to (None: unbound, shares cores).
 
         CPU replicas on one node fight for the cores (seen on 2 cores: per-look TPOT medians of
         the two arms swung 286-467 ms, anti-correlated). When every replica is a CPU one, the

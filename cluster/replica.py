@@ -43,6 +43,16 @@ NOTABLE_WARNINGS = (
 _WARNING_LINE = re.compile(r"WARNING[^\]]*\]\s*(?:\[[^\]]*\]\s*)?(.*)$")
 
 
+def bind_process(pid: int, cores: set[int]) -> None:
+    """Bind every thread of `pid` to `cores`; the processes and threads it starts later
+    (vLLM's engine core, OMP threads) inherit the affinity. Called right after the exec,
+    while the interpreter is still starting (it has no thread of its own yet; the loop is
+    for the case it has)."""
+    tasks = [int(t) for t in os.listdir(f"/proc/{pid}/task")] if os.path.isdir(f"/proc/{pid}/task") else [pid]
+    for tid in tasks:
+        os.sched_setaffinity(tid, cores)
+
+
 class ReplicaState(str, Enum):
     PENDING = "pending"
     STARTING = "starting"
@@ -166,6 +176,15 @@ class VLLMReplicaServer:
             self._error = f"the reaper watchdog did not start: {exc}"
             self._state = ReplicaState.FAILED
             stop_group(self._proc, grace_s=5.0)
+            return self.status()
+        cores = self.spec.cpu_affinity()
+        if cores:
+            try:
+                bind_process(self._proc.pid, cores)
+            except OSError as exc:
+                self._error = f"could not bind the server to cores {self.spec.cpu.cores}: {exc}"
+                self._state = ReplicaState.FAILED
+                stop_group(self._proc, grace_s=5.0)
         return self.status()
 
     @property

@@ -47,6 +47,29 @@ def test_cpu_environment_limits_threads_and_kv_cache():
     assert env["LD_PRELOAD"] == "/lib/libiomp5.so"
 
 
+def test_cpu_model_runs_in_the_engine_core_process_bound_by_affinity_by_default():
+    one_process = spec(device="cpu", cpu=CpuLimits(cores="0,2-3"))
+    env = one_process.environment()
+    assert env["VLLM_ENABLE_V1_MULTIPROCESSING"] == "0"
+    assert env["VLLM_CPU_OMP_THREADS_BIND"] == "nobind"  # vLLM binds nothing in this mode
+    assert one_process.cpu_affinity() == {0, 2, 3}
+    assert spec(device="cpu").cpu_affinity() is None  # no cores: unbound
+
+
+def test_cpu_worker_process_is_vllms_default_and_binds_by_vllm():
+    with_worker = spec(device="cpu", cpu=CpuLimits(cores="1", worker_process=True))
+    env = with_worker.environment()
+    assert "VLLM_ENABLE_V1_MULTIPROCESSING" not in env
+    assert env["VLLM_CPU_OMP_THREADS_BIND"] == "1"
+    assert with_worker.cpu_affinity() is None
+    assert spec(cpu=CpuLimits(cores="1")).cpu_affinity() is None  # GPU replicas: never
+
+
+def test_the_engine_process_mode_is_set_by_its_field_not_by_env():
+    with pytest.raises(ValidationError, match="VLLM_ENABLE_V1_MULTIPROCESSING"):
+        spec(device="cpu", env={"VLLM_ENABLE_V1_MULTIPROCESSING": "1"})
+
+
 def test_gpu_environment_uses_ray_gpu_ids_and_checks_their_count():
     assert spec(tensor_parallel_size=2).environment(gpu_ids=["3", "5"])["CUDA_VISIBLE_DEVICES"] == "3,5"
     with pytest.raises(ValueError, match="tensor_parallel_size"):
