@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import json
+import shutil
 import signal
 import sys
 import time
@@ -101,11 +102,41 @@ def _start_run(config: RolloutConfig, args: argparse.Namespace) -> int:
     if args.run_id and (runs_dir / args.run_id).exists():
         print(f"mtp-canary: run id {args.run_id!r} already exists in {runs_dir}", file=sys.stderr)
         return EXIT_USAGE
-    return _drive(Controller(config, runs_dir=runs_dir, run_id=args.run_id, progress=lambda m: print(m, flush=True)))
+    copies = _pipeline_copies(args)
+    if copies is None:
+        return EXIT_USAGE
+    controller = Controller(config, runs_dir=runs_dir, run_id=args.run_id, progress=lambda m: print(m, flush=True))
+    return _drive(controller, copies)
 
 
-def _drive(controller) -> int:
-    """Run a controller to its end; its exit code (130 when interrupted)."""
+def _pipeline_copies(args: argparse.Namespace) -> dict[str, Path] | None:
+    """Run-directory file -> the path a pipeline asked for it at (--junit, --decision-out), or
+    None after a one-line error: a directory that does not exist is refused before anything starts."""
+    copies = {name: Path(path) for name, path in (("junit.xml", args.junit), ("decision.json", args.decision_out)) if path}
+    for name, path in copies.items():
+        if path.is_dir() or not path.parent.is_dir():
+            flag = "--junit" if name == "junit.xml" else "--decision-out"
+            why = "is a directory" if path.is_dir() else f"is in {str(path.parent)!r}, which is not a directory"
+            print(f"mtp-canary: {flag} {str(path)!r} {why}", file=sys.stderr)
+            return None
+    return copies
+
+
+def _copy_out(run_dir: Path, copies: dict[str, Path]) -> bool:
+    """Copy the run's pipeline files where they were asked for; False (with a line each) if one is missing."""
+    ok = True
+    for name, path in copies.items():
+        try:
+            shutil.copyfile(run_dir / name, path)
+        except OSError as exc:
+            print(f"mtp-canary: could not copy {name} to {str(path)!r}: {exc.strerror or exc}", file=sys.stderr)
+            ok = False
+    return ok
+
+
+def _drive(controller, copies: dict[str, Path] | None = None) -> int:
+    """Run a controller to its end, copy its pipeline files where asked (`copies`); its exit
+    code (130 when interrupted; 1 when a decided run's file could not be copied)."""
     # SIGTERM (e.g. `ray job stop`) takes the same path as Ctrl-C: tear down, then exit.
     signal.signal(signal.SIGTERM, _raise_keyboard_interrupt)
     try:
@@ -114,10 +145,15 @@ def _drive(controller) -> int:
         print("mtp-canary: interrupted; replicas, router and Locust stopped", file=sys.stderr)
         return 130
     decision = result.decision.value if result.decision and not result.error else "error"
-    print(f"mtp-canary: {decision} (exit {result.exit_code}) -> {result.run_dir / 'decision.json'}", flush=True)
+    from rollout.result import EXIT_INFRASTRUCTURE
+
+    code = result.exit_code
+    if copies and not _copy_out(result.run_dir, copies) and code == 0:
+        code = EXIT_INFRASTRUCTURE  # a pipeline that asked for the file must not pass without it
+    print(f"mtp-canary: {decision} (exit {code}) -> {result.run_dir / 'decision.json'}", flush=True)
     # machine-readable, the last line of the log: `mtp-canary submit` reads the code from it
-    print(f"mtp-canary: exit_code={result.exit_code} decision={decision} run_dir={result.run_dir}", flush=True)
-    return result.exit_code
+    print(f"mtp-canary: exit_code={code} decision={decision} run_dir={result.run_dir}", flush=True)
+    return code
 
 
 def _cmd_resume(args: argparse.Namespace) -> int:
@@ -296,9 +332,36 @@ def _cmd_status(args: argparse.Namespace) -> int:
     if doc is None:
         print(f"mtp-canary status: no run {args.run_id!r} in {args.runs_dir}", file=sys.stderr)
         return EXIT_USAGE
-    if args.json:
-        print(json.dumps(doc, indent=2, default=str))
+    if not args.watch:
+        _print_status(doc, args.json)
         return 0
+    # --watch: a line-oriented log (no screen clearing: it goes to CI logs), printed when the
+    # status changes, until the run is decided or its controller is gone; exits as `run` does
+    last = None
+    while True:
+        shown = {k: v for k, v in doc.items() if k != "updated_at"}  # the heartbeat moves it
+        if shown != last:
+            print(f"--- {time.strftime('%H:%M:%S')}", flush=True)
+            _print_status(doc, args.json)
+            last = shown
+        if doc["status"] != "running" or doc["controller_alive"] is False:
+            return _watched_exit_code(doc)
+        time.sleep(args.interval_s)
+        doc = run_status(store, args.run_id)
+
+
+def _watched_exit_code(doc: dict) -> int:
+    """What `run` exited with for this run (stored with its decision), or 1 for a controller
+    that died before it decided."""
+    from rollout.result import EXIT_INFRASTRUCTURE
+
+    return doc["exit_code"] if doc["status"] != "running" and doc["exit_code"] is not None else EXIT_INFRASTRUCTURE
+
+
+def _print_status(doc: dict, as_json: bool) -> None:
+    if as_json:
+        print(json.dumps(doc, indent=2, default=str), flush=True)
+        return
     weight = "-" if doc["canary_weight"] is None else f"{doc['canary_weight']:g}%"
     step = "-" if doc["step"] is None else str(doc["step"])
     state = doc["decision"] or doc["status"]
@@ -317,7 +380,7 @@ def _cmd_status(args: argparse.Namespace) -> int:
     if doc["last_event"]:
         e = doc["last_event"]
         print(f"  last event: {_when(e['time'])} {e['phase']} {e['event']} {e['reason'] or ''}".rstrip())
-    return 0
+    sys.stdout.flush()
 
 
 def _add_resume_parser(sub: argparse._SubParsersAction) -> None:
@@ -351,6 +414,8 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--requests-per-arm", type=int, default=None, help="override experiment.requests_per_arm")
     run.add_argument("--max-duration-s", type=float, default=None, help="override experiment.max_duration_s")
     run.add_argument("--eval-limit", type=int, default=None, help="override accuracy.limit")
+    run.add_argument("--junit", default=None, metavar="FILE", help="also write the run's junit.xml to FILE (for CI)")
+    run.add_argument("--decision-out", default=None, metavar="FILE", help="also write the run's decision.json to FILE")
     run.set_defaults(func=_cmd_run)
 
     _add_resume_parser(sub)
@@ -399,6 +464,9 @@ def build_parser() -> argparse.ArgumentParser:
     status.add_argument("run_id", metavar="RUN_ID")
     status.add_argument("--runs-dir", default="runs")
     status.add_argument("--json", action="store_true", help="one JSON object (decision is null while running)")
+    status.add_argument("--watch", action="store_true",
+                        help="print the status again whenever it changes until the run ends; exit as `run` did")
+    status.add_argument("--interval-s", type=float, default=2.0, help="--watch: seconds between reads (default 2)")
     status.set_defaults(func=_cmd_status)
 
     for name, text in (

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import re
 import time
 import sqlite3
 import subprocess
@@ -100,6 +101,43 @@ def test_status_text(runs, capsys):
     code, out, _ = cli(capsys, "status", "r-live", "--runs-dir", str(runs))
     assert code == 0
     assert "PAUSED" in out and "step 2, canary weight 50%" in out and "guard_error_rate" in out
+
+
+def test_status_watch_prints_each_change_until_the_run_ends_and_exits_as_run_did(runs, capsys):
+    def the_run_goes_on():
+        time.sleep(0.6)
+        store = RunStore(runs / "history.db")
+        store.put_phase_result("r-live", "progressive", 2, {"step": 1, "canary_weight": 50.0,
+                                                            "gates": [gate("guard_error_rate", "fail")]})
+        time.sleep(0.6)
+        store.update_run("r-live", status="done", decision="rollback", exit_code=3, reason="guard_error_rate failed")
+        store.close()
+
+    writer = threading.Thread(target=the_run_goes_on)
+    writer.start()
+    try:
+        code, out, _ = cli(capsys, "status", "r-live", "--runs-dir", str(runs), "--watch", "--interval-s", "0.1")
+    finally:
+        writer.join()
+    assert code == 3
+    blocks = out.split("--- ")[1:]
+    assert len(blocks) == 3, out  # the first read, the new gate, the decision: no repeats in between
+    assert re.search(r"guard_error_rate +fail", blocks[1]) and "rollback" in blocks[2]
+
+
+def test_status_watch_of_a_decided_run_prints_once_with_its_code(runs, capsys):
+    code, out, _ = cli(capsys, "status", "r-promoted", "--runs-dir", str(runs), "--watch")
+    assert code == 0 and out.count("--- ") == 1 and "promote" in out
+
+
+@pytest.mark.parametrize("flag", ["--junit", "--decision-out"])
+def test_run_refuses_a_pipeline_file_in_a_directory_that_does_not_exist_before_starting(tmp_path, capsys, flag):
+    runs = tmp_path / "runs"
+    code, _, err = cli(capsys, "run", str(REPO / "configs/local-cpu.yaml"), "--runs-dir", str(runs),
+                       flag, str(tmp_path / "missing" / "out"))
+    assert code == 2
+    assert err.count("\n") == 1 and flag in err and "not a directory" in err
+    assert not runs.exists()  # nothing started
 
 
 def test_promote_and_abort_queue_a_command_the_run_takes_once(runs, capsys):

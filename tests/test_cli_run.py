@@ -55,11 +55,17 @@ def ray_processes() -> list[psutil.Process]:
 
 def test_local_cpu_default_promotes_with_a_full_decision_record(tmp_path):
     runs = tmp_path / "runs"
-    proc = run_cli("run", "configs/local-cpu.yaml", "--runs-dir", str(runs), "--run-id", "promote")
+    pipeline = tmp_path / "ci"
+    pipeline.mkdir()
+    proc = run_cli("run", "configs/local-cpu.yaml", "--runs-dir", str(runs), "--run-id", "promote",
+                   "--junit", str(pipeline / "canary.xml"), "--decision-out", str(pipeline / "canary.json"))
     print(proc.stdout[-6000:], proc.stderr[-3000:])
     assert proc.returncode == 0, proc.stdout[-2000:]
     doc = decision_of(runs, "promote")
     assert doc["decision"] == "promote"
+    # what a pipeline asked for, where it asked for it
+    assert (pipeline / "canary.json").read_bytes() == (runs / "promote" / "decision.json").read_bytes()
+    assert (pipeline / "canary.xml").read_bytes() == (runs / "promote" / "junit.xml").read_bytes()
     # the same document as a run recorded before the phase-runner redesign: every key where it was
     assert key_paths(doc) == key_paths(recorded_document("promote"))
     names = {g["name"]: g for g in doc["gates"]}
