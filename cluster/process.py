@@ -13,7 +13,9 @@ imports (gevent's monkey patching, say) stays out of Ray.
     status = ray.get(actor.status.remote())      # ProcessStatus: alive, exit_code, log_tail
     ray.get(actor.stop.remote(grace_s=10))
 
-Placement strings (`placement_options`): "spread" (one node after another), "pack" or
+Placement strings (`placement_options`): "auto" (the default: when the cluster has nodes
+with GPUs and nodes without, only the ones without, spread, so that load generation never
+takes CPU from a GPU node's engines; otherwise "spread"), "spread" (one node after another), "pack" or
 "default" (Ray's default), "node:<node id or IP>" (pinned to that node), "label:k=v[,k=v]"
 (a node whose Ray labels match), "resource:NAME[=AMOUNT]" (a node offering that custom
 resource, e.g. `ray start --resources '{"loadgen": 4}'`).
@@ -35,6 +37,7 @@ from typing import Any
 import ray
 from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
+from cluster.placement import auto_worker_options
 from cluster.reaper import start_watchdog, stop_group
 
 
@@ -201,6 +204,8 @@ def placement_options(placement: str) -> dict[str, Any]:
     kind, _, value = placement.partition(":")
     kind = kind.strip().lower()
     value = value.strip()
+    if kind == "auto" and not value:
+        return auto_worker_options(ray.nodes())
     if kind == "spread" and not value:
         return {"scheduling_strategy": "SPREAD"}
     if kind in ("pack", "default") and not value:
@@ -225,7 +230,7 @@ def placement_options(placement: str) -> dict[str, Any]:
             raise ValueError(f"placement {placement!r}: needs a resource name and a positive amount")
         return {"resources": {name.strip(): quantity}}
     raise ValueError(
-        f"unknown placement {placement!r}: spread, pack, node:<id or ip>, label:key=value or resource:NAME[=N]"
+        f"unknown placement {placement!r}: auto, spread, pack, node:<id or ip>, label:key=value or resource:NAME[=N]"
     )
 
 

@@ -97,7 +97,7 @@ class AccuracyConfig(EvalSpec):
     batch_size: int = Field(16, ge=1, description="items per interim look (early stop on a clear regression)")
 
 
-WORKER_PLACEMENTS = ("local", "spread", "pack", "node", "label", "resource")
+WORKER_PLACEMENTS = ("local", "auto", "spread", "pack", "node", "label", "resource")
 
 
 class SweepConfig(BaseModel):
@@ -154,8 +154,9 @@ class ExperimentConfig(BaseModel):
     endpoint: str = Field("completions", description="completions or chat")
     workers: int = Field(1, ge=0, description="Locust worker processes (0: one local process)")
     worker_placement: str = Field(
-        "spread",
-        description="where Locust workers run: 'spread' (each under a Ray actor, spread over the nodes), 'pack', "
+        "auto",
+        description="where Locust workers run, each under a Ray actor: 'auto' (nodes without GPUs when the cluster "
+        "has both kinds, else spread), 'spread' (spread over the nodes), 'pack', "
         "'node:<id or ip>', 'label:key=value', 'resource:NAME[=N]', or 'local' (child processes of the controller)",
     )
     sweep: SweepConfig = Field(default_factory=SweepConfig)
@@ -169,7 +170,7 @@ class ExperimentConfig(BaseModel):
         kind, sep, value = placement.partition(":")
         if kind not in WORKER_PLACEMENTS or (kind in ("node", "label", "resource")) != bool(sep and value):
             raise ValueError(
-                f"unknown placement {placement!r}: local, spread, pack, node:<id or ip>, label:key=value or resource:NAME[=N]"
+                f"unknown placement {placement!r}: local, auto, spread, pack, node:<id or ip>, label:key=value or resource:NAME[=N]"
             )
         return placement
 

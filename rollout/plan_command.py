@@ -243,11 +243,11 @@ def target_nodes(cfg, replicas: list[ReplicaPlan]) -> tuple[dict[str, list[str]]
     if placement == "local" or cfg.experiment.workers == 0:
         locust = [driver]
     else:
-        locust = [str(n["NodeID"]) for n in alive_nodes(nodes)]
         cpu_only = auto_worker_nodes(nodes)
+        locust = cpu_only if placement == "auto" and cpu_only else [str(n["NodeID"]) for n in alive_nodes(nodes)]
         if placement == "spread" and cpu_only:
             notes.append(f"Locust workers ('spread') may land on GPU nodes beside vLLM; CPU-only nodes: "
-                         f"{', '.join(cpu_only)} (experiment.worker_placement: node:<id> or label:... keeps them there)")
+                         f"{', '.join(cpu_only)} (experiment.worker_placement: auto, the default, keeps them there)")
     for node in locust:
         targets.setdefault(node, []).append("locust")
     return targets, notes
