@@ -51,7 +51,7 @@ from rollout.phases.setup import Prepare, StartFleet
 from rollout.phases.sweep import Sweep
 from rollout.redact import REDACTED, known_secrets, redact_config, redact_url, scrub
 from rollout.report import write_reports
-from rollout.result import RunResult, decision_document
+from rollout.result import RunResult, UsageSummary, decision_document
 from rollout.resume import CONTROLLER_RESUME, ResumePoint, load_resume_point
 from rollout.run_context import InfrastructureError, LeaseKeeper, Progress, RunContext, run_namespace
 from rollout.run_id import run_id_error
@@ -206,6 +206,8 @@ class Controller:
     def _record_end(self, completed: bool) -> None:
         ctx, result = self.ctx, self.ctx.result
         result.timings["total_s"] = time.time() - result.started_at
+        if result.usage is not None and ctx.fleet_since is not None:
+            result.usage = UsageSummary.held(result.usage.gpus, result.usage.replicas, time.time() - ctx.fleet_since)
         if result.decision is not None and result.error is None and not completed:
             result.error = "the run ended before its last phase"  # never a verdict on a partial run
         promoted = result.decision == Decision.PROMOTE and result.error is None

@@ -56,6 +56,10 @@ def _arms(doc: dict[str, Any]) -> list[str]:
         lines += ["", f"**Arms share CPU cores**: {prepare['core_sharing']}; latencies include their contention."]
     elif any((prepare.get("cpu_cores") or {}).values()):
         lines += ["", "CPU cores per replica: " + ", ".join(f"{n} -> {c}" for n, c in prepare["cpu_cores"].items())]
+    usage = doc.get("usage")
+    if usage:
+        lines += ["", f"Held: {usage['replicas']} replica(s), {usage['gpus']} GPU(s), for {usage['held_s'] / 60:.1f} min "
+                      f"(fleet start to decision): {usage['gpu_hours']:g} GPU-hours, {usage['replica_hours']:g} replica-hours"]
     return lines
 
 

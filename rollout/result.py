@@ -141,6 +141,22 @@ class SpecDecodeSummary(Summary):
     expected_length_by_k: dict[str, float] | None = None
 
 
+class UsageSummary(Summary):
+    """What the run held, measured: its replicas (and their GPUs) from the fleet's start (or a
+    resumed controller's reattach) to the decision. `mtp-canary plan` gives the bound beforehand."""
+
+    gpus: int  # replicas x tensor_parallel_size over GPU arms
+    replicas: int
+    held_s: float
+    gpu_hours: float
+    replica_hours: float
+
+    @classmethod
+    def held(cls, gpus: int, replicas: int, held_s: float) -> "UsageSummary":
+        return cls(gpus=gpus, replicas=replicas, held_s=round(held_s, 3),
+                   gpu_hours=round(gpus * held_s / 3600, 4), replica_hours=round(replicas * held_s / 3600, 4))
+
+
 def _section(summary: Summary | None) -> dict[str, Any]:
     return summary.document() if summary is not None else {}
 
@@ -167,6 +183,7 @@ class RunResult:
     timings: dict[str, float] = field(default_factory=dict)
     timeline: list[dict] = field(default_factory=list)
     error: str | None = None
+    usage: UsageSummary | None = None  # None until a fleet started (decision.json leaves it out)
 
     @property
     def exit_code(self) -> int:
@@ -197,6 +214,7 @@ class RunResult:
             timings=doc["timings"],
             timeline=doc["timeline"],
             error=error,
+            usage=UsageSummary.model_validate(doc["usage"]) if doc.get("usage") else None,
         )
 
 
@@ -227,4 +245,6 @@ def decision_document(result: RunResult) -> dict[str, Any]:
         "timeline": result.timeline,
         "started_at": result.started_at,
     }
+    if result.usage is not None:
+        doc["usage"] = result.usage.document()
     return redact_document(doc, known_secrets(result.config.model_dump(mode="json")))

@@ -163,6 +163,7 @@ class RunContext:
     experiment_capped: str | None = None  # the experiment hit max_duration_s before its plan
     leased: dict[str, Any] = field(default_factory=dict)  # extra leased actors (the progressive load), by name
     leases: LeaseKeeper | None = None
+    fleet_since: float | None = None  # wall clock when this controller started (or reattached) the fleet
 
     # -- facts -------------------------------------------------------------------
     @property

@@ -20,7 +20,7 @@ from rollout.config import parse_config
 from rollout.judge.config import GatesConfig
 from rollout.judge.verdicts import Decision
 from rollout.report import markdown_report
-from rollout.result import RunResult, decision_document
+from rollout.result import RunResult, UsageSummary, decision_document
 from tests.conftest import REPO
 
 RECORDED = REPO / "tests" / "data" / "recorded_runs"
@@ -56,6 +56,8 @@ def recorded_document(run: str) -> dict:
     doc = json.loads((RECORDED / run / "decision.json").read_text())
     if doc.get("experiment"):
         doc["experiment"] = {**doc["experiment"], **{k: v for k, v in ADDED_EXPERIMENT_FIELDS.items() if k not in doc["experiment"]}}
+    if doc.get("timings", {}).get("fleet_start_s") is not None:  # a run whose fleet started: what it held
+        doc.setdefault("usage", UsageSummary.held(gpus=0, replicas=2, held_s=1.0).document())
     return doc
 
 
@@ -115,3 +117,16 @@ def test_key_paths_see_a_moved_or_missing_key_but_not_other_numbers():
     for look in other["experiment"]["looks"]:
         del look["information"]
     assert "experiment.looks[].information" in key_paths(doc) - key_paths(other)
+
+
+def test_usage_is_what_the_fleet_held_and_reads_back():
+    doc = recorded_document("promote")
+    doc["usage"] = UsageSummary.held(gpus=8, replicas=2, held_s=5400.0).document()
+    assert doc["usage"] == {"gpus": 8, "replicas": 2, "held_s": 5400.0, "gpu_hours": 12.0, "replica_hours": 3.0}
+    for key, default in ADDED_EXPERIMENT_FIELDS.items():
+        doc["experiment"].setdefault(key, default)
+    doc["gates_config"] = GatesConfig(**doc["gates_config"]).model_dump(mode="json")
+    result = RunResult.from_document(doc, config_of(doc), Path("/tmp/promote"))
+    again = decision_document(result)
+    assert again["usage"] == doc["usage"]
+    assert "12 GPU-hours, 3 replica-hours" in markdown_report(again)

@@ -19,6 +19,7 @@ from cluster.router import Router, RouterClient
 from cluster.router_limits import is_loopback
 from rollout.config import TWIN, ArmConfig
 from rollout.redact import redact_engine
+from rollout.result import UsageSummary
 from rollout.run_context import Progress, RunContext
 from tinymodel.checkpoint import TinyCheckpointSpec, checkpoint_dir, ensure_checkpoint
 from tinymodel.sizing import TinySizing, engine_dtype_for, size_tiny_model, sizing_for_arm, tiny_spec_for
@@ -124,6 +125,11 @@ class StartFleet:
             placement_timeout_s=cfg.placement_timeout_s,
         )
         ctx.leases.start()  # before anything starts: a fleet start can take many minutes
+        # held from here (placement reserves the GPUs) to the decision: decision.json `usage`
+        ctx.fleet_since = time.time()
+        ctx.result.usage = UsageSummary.held(
+            gpus=sum(a.replicas * a.engine.tensor_parallel_size for a in arms if a.engine.device == "gpu"),
+            replicas=sum(a.replicas for a in arms), held_s=0.0)
         previous_router = find_actor(ROUTER_NAME, namespace=ctx.namespace) if ctx.resuming else None
         if ctx.resuming and ctx.fleet.attach():
             urls = ctx.fleet.urls()
