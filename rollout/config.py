@@ -233,6 +233,12 @@ class RayConfig(BaseModel):
         "127.0.0.1",
         description="interface replicas and the router listen on; '0.0.0.0' on a multi-node cluster",
     )
+    check_nodes: Literal["auto", "always", "never"] = Field(
+        "auto",
+        description="before the fleet starts, import what a run needs (vllm, ray, locust, scipy, aiohttp, the "
+        "project) on every live node, as `mtp-canary plan` does, and fail naming the node: 'auto' on a multi-node "
+        "cluster or with GPU engines (a single local node fails fast anyway)",
+    )
 
 
 class RolloutConfig(BaseModel):

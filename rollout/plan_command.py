@@ -253,6 +253,43 @@ def target_nodes(cfg, replicas: list[ReplicaPlan]) -> tuple[dict[str, list[str]]
     return targets, notes
 
 
+def wants_node_check(cfg) -> bool:
+    """Whether `run` checks every node's environment before its fleet starts (ray.check_nodes;
+    auto: on a multi-node cluster or with GPU engines, where a missing module would otherwise
+    surface only after GPUs were held for the fleet start, the accuracy phase and preflight)."""
+    if cfg.ray.check_nodes != "auto":
+        return cfg.ray.check_nodes == "always"
+    import ray
+
+    from cluster.placement import alive_nodes
+
+    gpu_engines = any(arm.engine.device == "gpu" for _, arm in _arms(cfg))
+    return gpu_engines or len(alive_nodes(ray.nodes())) > 1
+
+
+def node_environment_failures(modules: Sequence[str] | None = None) -> list[str]:
+    """`run`'s check before its fleet starts: every live node that can run a task (resources, or
+    the driver's) imports `modules`; one line per problem, naming the node's IP, id and kind."""
+    import ray
+
+    from cluster.placement import alive_nodes
+
+    driver = ray.get_runtime_context().get_node_id()
+    targets: dict[str, list[str]] = {}
+    for node in alive_nodes(ray.nodes()):
+        resources, roles = node.get("Resources", {}), []
+        if node["NodeID"] == driver:
+            roles.append("driver")
+        if resources.get("GPU", 0):
+            roles.append("GPU node")
+        elif resources.get("CPU", 0):
+            roles.append("CPU node")
+        if roles:
+            targets[str(node["NodeID"])] = roles
+    return [f"node {c.node_ip} ({c.node_id[:12]}, {', '.join(c.roles)}): {problem}"
+            for c in check_nodes(targets, modules or RUN_MODULES) for problem in c.problems]
+
+
 def make_plan(cfg, modules: Sequence[str] = RUN_MODULES, placement_wait_s: float = PLACEMENT_PROBE_S) -> Plan:
     replicas = plan_replicas(cfg)
     failures: list[str] = []

@@ -97,6 +97,26 @@ def test_plan_names_a_cluster_too_small_for_the_fleet(two_nodes, tmp_path, capsy
     assert _gpus_free(4)
 
 
+def test_run_checks_the_nodes_first_and_fails_naming_the_one_without_locust(two_nodes, tmp_path, monkeypatch):
+    """`run` on a multi-node cluster: the node environment check (ray.check_nodes: auto) fails the
+    run in seconds, exit 1, naming the node, before any replica is placed."""
+    from rollout.config import load_config
+    from rollout.controller import Controller
+
+    _, gpu_node = two_nodes
+    monkeypatch.setattr(plan_command, "RUN_MODULES", MODULES)  # vllm aside: every node here has the same one
+    said: list[str] = []
+    result = Controller(load_config(gpu_config(tmp_path)), runs_dir=tmp_path / "runs", run_id="nodes",
+                        progress=said.append).run()
+    assert result.exit_code == 1 and result.decision is None
+    assert "node environment" in result.error and gpu_node.node_id[:12] in result.error
+    assert "cannot import locust" in result.error
+    assert not any("fleet: starting" in line for line in said)  # nothing placed, nothing started
+    doc = json.loads((tmp_path / "runs" / "nodes" / "decision.json").read_text())
+    assert doc["error"] == result.error and "usage" not in doc
+    assert _gpus_free(4)
+
+
 def test_a_bad_config_exits_2_with_one_line(tmp_path, capsys):
     path = gpu_config(tmp_path, startup_timeout_s=1000)
     assert plan_command.main([path]) == 2

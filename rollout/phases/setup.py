@@ -18,9 +18,10 @@ from cluster.ray_cluster import connect, find_actor, kill_quietly
 from cluster.router import Router, RouterClient
 from cluster.router_limits import is_loopback
 from rollout.config import TWIN, ArmConfig
+from rollout import plan_command
 from rollout.redact import redact_engine
 from rollout.result import UsageSummary
-from rollout.run_context import Progress, RunContext
+from rollout.run_context import InfrastructureError, Progress, RunContext
 from tinymodel.checkpoint import TinyCheckpointSpec, checkpoint_dir, ensure_checkpoint
 from tinymodel.sizing import TinySizing, engine_dtype_for, size_tiny_model, sizing_for_arm, tiny_spec_for
 
@@ -106,6 +107,7 @@ class StartFleet:
     def run(self, ctx: RunContext) -> None:
         cfg = ctx.cfg
         ctx.say(connect(cfg.ray.address, namespace=ctx.namespace))
+        self._check_nodes(ctx)
         t0 = time.monotonic()
         arms = [
             ArmSpec(name=arm, engine=engine, replicas=ctx.result.arms[arm]["replicas"],
@@ -146,6 +148,17 @@ class StartFleet:
         if previous_router is not None and self._reattach_router(ctx, previous_router, urls):
             return
         self._start_router(ctx, urls)
+
+    @staticmethod
+    def _check_nodes(ctx: RunContext) -> None:
+        """Every node imports what the run needs, before anything is reserved (ray.check_nodes)."""
+        if ctx.resuming or not plan_command.wants_node_check(ctx.cfg):
+            return
+        ctx.say(f"nodes: checking that every node imports {', '.join(plan_command.RUN_MODULES)} (ray.check_nodes)")
+        failures = plan_command.node_environment_failures()
+        if failures:
+            raise InfrastructureError("node environment: " + "; ".join(failures))
+        ctx.say("nodes: every node has what the run imports")
 
     @staticmethod
     def _report_cores(ctx: RunContext) -> None:
