@@ -213,8 +213,10 @@ class Fleet:
             if failed:
                 st = failed[0]
                 tail = "\n".join(f"    {line}" for line in st.log_tail[-25:])
+                cause = f"; cause: {st.cause}" if st.cause else ""
                 raise FleetStartError(
-                    f"replica {st.name} failed to start: {st.error} (log: {st.log_path})\n  last log lines:\n{tail}"
+                    f"replica {st.name} on node {st.node_ip or '?'} failed to start: {st.error}{cause} "
+                    f"(log: {st.log_path} on that node)\n  last log lines:\n{tail}"
                 )
             if all(st.state == ReplicaState.READY for st in statuses):
                 return

