@@ -21,6 +21,9 @@ What the replay knows, and from where:
 * acceptance: decision.json's canary spec-decode counters (the phase's final ones, at
   every look); a bare records file has none, so acceptance is INCONCLUSIVE unless
   gates.enabled leaves acceptance_length_floor out;
+* goodput: when the gates set an SLO (``gates.slo``), the goodput gate is judged at
+  every look like the others, and ``goodput`` holds each arm's share of the judged
+  records meeting it;
 * accuracy: eval outcomes are not request records; a run directory's stored accuracy
   gates are carried over as the run judged them. Otherwise they are enabled but not
   judged, so the input cannot PROMOTE unless gates.enabled leaves them out.
@@ -50,6 +53,7 @@ from cluster.metrics import SpecDecodeStats
 from loadtests.records import RequestRecord
 from rollout.judge.config import GatesConfig
 from rollout.judge.experiment_looks import LookPlan, Replay, replay_looks
+from rollout.judge.goodput import ArmGoodput, goodput_by_arm
 from rollout.judge.names import GATE_PHASES
 from rollout.judge.verdicts import Decision, GateResult, Verdict, decide, is_enabled, missing_gates
 from rollout.result import EXIT_CODES
@@ -88,9 +92,10 @@ class JudgeOutcome:
     gates: list[GateResult]
     replay: Replay
     notes: list[str]
+    goodput: dict[str, ArmGoodput] | None = None  # per arm over the judged records, when the gates set an SLO
 
     def document(self) -> dict[str, Any]:
-        return {
+        doc = {
             "input": self.label,
             "decision": self.decision.value,
             "reason": self.reason,
@@ -105,6 +110,9 @@ class JudgeOutcome:
             "unjudged_records": self.replay.unjudged_records,
             "notes": self.notes,
         }
+        if self.goodput is not None:
+            doc["goodput"] = {arm: g.model_dump(mode="json") for arm, g in self.goodput.items()}
+        return doc
 
 
 # -- reading ------------------------------------------------------------------------------
@@ -267,7 +275,9 @@ def judge_input(inp: JudgeInput) -> JudgeOutcome:
             parts.append("enabled but not judged from this input: " + ", ".join(missing)
                          + " (list only the gates to judge in gates.enabled)")
         reason = "; ".join(parts) or "no gate was judged"
-    return JudgeOutcome(inp.label, decision, reason, gates, replay, inp.notes)
+    slo = inp.gates.goodput_slo
+    goodput = goodput_by_arm(inp.records[: replay.judged_records], slo) if slo is not None else None
+    return JudgeOutcome(inp.label, decision, reason, gates, replay, inp.notes, goodput)
 
 
 # -- output ------------------------------------------------------------------------------------
@@ -286,6 +296,9 @@ def table(outcome: JudgeOutcome) -> str:
     for g in outcome.gates:
         interval = "-" if g.interval is None else f"[{g.interval[0]:.4g}, {g.interval[1]:.4g}]"
         lines.append(f"  {g.name:<26} {g.verdict.value:<13} {_number(g.estimate):>9} {interval:>21} {_number(g.threshold):>9}")
+    if outcome.goodput is not None:
+        lines.append("  goodput (judged requests meeting the SLO): " + ", ".join(
+            f"{arm} {_number(g.share)} ({g.met}/{g.of})" for arm, g in outcome.goodput.items()))
     lines += [f"  note: {note}" for note in outcome.notes]
     return "\n".join(lines)
 

@@ -8,7 +8,10 @@ import time
 from pathlib import Path
 from typing import Any
 
+from pydantic import ValidationError
+
 from rollout.atomic_file import write_atomically
+from rollout.judge.config import SloConfig
 from rollout.load_sweep import sweep_table
 from rollout.pipeline_artifacts import write_pipeline_artifacts
 from rollout.report_html import write_html_report
@@ -109,6 +112,7 @@ def _latency(doc: dict[str, Any]) -> list[str]:
             f"| {_num(exp['client_tokens_per_chunk'].get(arm), 2)} |"
         )
     lines.append(f"\nGenerator send lag p99: {_num(exp.get('generator_send_lag_p99_ms'), 1)} ms")
+    lines += _goodput(exp, doc.get("gates_config") or {})
     if exp.get("looks"):
         lines.append(
             f"\nOne continuous load: {len(exp['looks'])} of {exp.get('planned_looks')} planned looks "
@@ -119,6 +123,20 @@ def _latency(doc: dict[str, Any]) -> list[str]:
     if exp.get("generator_warnings"):
         lines += ["", "**The load generator limited the load** (latencies include client-side delay):", ""]
         lines += [f"- {w}" for w in exp["generator_warnings"]]
+    return lines
+
+
+def _goodput(exp: dict[str, Any], gates_config: dict[str, Any]) -> list[str]:
+    """One line per arm: the share of judged requests that met gates.slo (absent without an SLO)."""
+    if not exp.get("goodput"):
+        return []
+    try:
+        slo = f": {SloConfig.model_validate(gates_config.get('slo') or {}).text()}"
+    except ValidationError:  # a document edited by hand: the counts still stand
+        slo = ""
+    lines = ["", f"Goodput (judged requests meeting the SLO{slo}; failed requests miss it):"]
+    for arm, g in exp["goodput"].items():
+        lines.append(f"- {arm}: {_num(g.get('share'))} ({g.get('met')} of {g.get('of')} requests)")
     return lines
 
 

@@ -16,6 +16,7 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict
 
 from rollout.config import RolloutConfig
+from rollout.judge.goodput import ArmGoodput
 from rollout.judge.verdicts import Decision, GateResult
 from rollout.redact import known_secrets, redact_document
 
@@ -104,9 +105,12 @@ class ExperimentSummary(Summary):
     client_tokens_per_chunk: dict[str, float | None]
     stopped_by: str  # evidence | max_duration_s | abort
     sweep: list[SweepRow] | None = None  # speedup vs load (no gate); absent when no sweep ran
+    # per arm, the judged requests meeting gates.slo (rollout.judge.goodput); absent when no SLO is set
+    goodput: dict[str, ArmGoodput] | None = None
 
     def document(self) -> dict[str, Any]:
-        return self.model_dump(mode="json", exclude={"sweep"} if self.sweep is None else None)
+        absent = {name for name in ("sweep", "goodput") if getattr(self, name) is None}
+        return self.model_dump(mode="json", exclude=absent or None)
 
 
 class StepSplit(Summary):

@@ -54,6 +54,8 @@ ADDED_EXPERIMENT_FIELDS = {"arm_users": False}
 def recorded_document(run: str) -> dict:
     """A recorded run's decision.json as a run today writes it (fields added since take their defaults)."""
     doc = json.loads((RECORDED / run / "decision.json").read_text())
+    # gates options added since (e.g. slo, goodput_max_decrease) are written with their defaults
+    doc["gates_config"] = GatesConfig(**doc["gates_config"]).model_dump(mode="json")
     if doc.get("experiment"):
         doc["experiment"] = {**doc["experiment"], **{k: v for k, v in ADDED_EXPERIMENT_FIELDS.items() if k not in doc["experiment"]}}
     if doc.get("timings", {}).get("fleet_start_s") is not None:  # a run whose fleet started: what it held

@@ -4,7 +4,7 @@ Kayenta's rule, kept strictly: no I/O, no clocks and no state. The controller
 calls the judges after every window (look k of ``max_looks`` planned looks)
 with everything measured so far, and stops when ``verdicts.is_final`` says so.
 The statistics live in ``rollout.judge.stats``; ``latency``, ``accuracy``,
-``acceptance`` and ``sample_ratio`` turn their intervals into verdicts (``looks``
+``acceptance``, ``sample_ratio`` and ``goodput`` turn their intervals into verdicts (``looks``
 holds what they share), ``experiment_looks`` is the experiment's look rule and
 per-look judging (the controller, ``mtp-canary judge`` and calibrate share it),
 ``guards`` judges the progressive phase's windows, and ``calibrate`` (with

@@ -22,7 +22,11 @@ Rows
 * ``pass_at_limit``: one gate's true value exactly at its limit (objective at its
   bar, a guardrail at its ratio / error-rate limit, accuracy drop = margin,
   divergence at its cap, acceptance length = floor), the other gates comfortably
-  passing (true TPOT ratio 0.7): P(that gate is PASS at the stop).
+  passing (true TPOT ratio 0.7): P(that gate is PASS at the stop). The goodput gate
+  (when ``gates.slo`` sets a bound) sits at its margin in the correlated world
+  ``GOODPUT_SCENARIO`` (a per-look arm-level latency): the canary's TTFT factor
+  (``scenarios.goodput_boundary_spec``) makes its true goodput exactly
+  ``goodput_max_decrease`` below the baseline's.
 * ``power``: true TPOT ratio 0.8 and 0.7 (iid, guardrails quiet): P(objective PASS)
   and the mean completed requests per arm the controller judged when it stopped.
 * ``decision``: every gate at its limit at once, accuracy phase then experiment:
@@ -68,13 +72,21 @@ from rollout.judge.calibration_trial import (
 )
 from rollout.judge.config import GatesConfig
 from rollout.judge.experiment_looks import LookPlan
-from rollout.judge.names import ACCEPTANCE_NAME, ACCURACY_NAME, DIVERGENCE_NAME, GUARDRAIL_NAMES, OBJECTIVE_NAME
+from rollout.judge.names import (
+    ACCEPTANCE_NAME,
+    ACCURACY_NAME,
+    DIVERGENCE_NAME,
+    GOODPUT_NAME,
+    GUARDRAIL_NAMES,
+    OBJECTIVE_NAME,
+)
 from rollout.judge.scenarios import (
     LATENCY_SCENARIOS,
     AccuracyWorld,
     LatencyWorld,
     StreamShape,
     TrialSpec,
+    goodput_boundary_spec,
     paired_items,
     simulate_records,
     spec_decode_by_request,
@@ -95,6 +107,7 @@ __all__ = [
 
 POWER_TPOT_RATIOS = (0.8, 0.7)
 PASSING_TPOT_RATIO = 0.7  # the objective comfortably passes while another gate sits at its limit
+GOODPUT_SCENARIO = "arm_level_0.10"  # the goodput gate at its margin: a per-look arm-level latency (correlated requests)
 CHUNK_TRIALS = 25  # trials per task handed to a worker
 
 # The sections of configs/local-cpu.yaml (`make demo`) the calibration reads; tests check
@@ -291,7 +304,12 @@ def _limit_specs(design: CalibrationDesign) -> dict[str, TrialSpec]:
         )
     if cfg.min_acceptance_length is not None and design.speculative_canary:
         specs[ACCEPTANCE_NAME] = TrialSpec(tpot_ratio=PASSING_TPOT_RATIO, acceptance_length=cfg.min_acceptance_length)
-    order = [OBJECTIVE_NAME, *GUARDRAIL_NAMES, ACCURACY_NAME, DIVERGENCE_NAME, ACCEPTANCE_NAME]
+    if cfg.goodput_slo is not None:
+        specs[GOODPUT_NAME] = goodput_boundary_spec(
+            world, TrialSpec(scenario=GOODPUT_SCENARIO, tpot_ratio=PASSING_TPOT_RATIO), design.shape,
+            cfg.goodput_slo.bounds, cfg.goodput_max_decrease,
+        )
+    order = [OBJECTIVE_NAME, *GUARDRAIL_NAMES, ACCURACY_NAME, DIVERGENCE_NAME, ACCEPTANCE_NAME, GOODPUT_NAME]
     return {name: specs[name] for name in order if name in specs and is_enabled(name, cfg)}
 
 

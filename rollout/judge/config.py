@@ -1,4 +1,5 @@
-"""How to judge: `GatesConfig` (the run YAML's `gates:`) and `GuardConfig` (`progressive.guards:`).
+"""How to judge: `GatesConfig` (the run YAML's `gates:`, with its `SloConfig` under `gates.slo:`) and
+`GuardConfig` (`progressive.guards:`).
 
 Plain pydantic models; the judges read them, `rollout.config` embeds them in the run config.
 """
@@ -13,7 +14,35 @@ from pydantic import BaseModel, ConfigDict, Field
 from rollout.judge import stats
 from rollout.judge.names import GATE_NAMES
 
-__all__ = ["GatesConfig", "GuardConfig"]
+__all__ = ["SloConfig", "GatesConfig", "GuardConfig"]
+
+
+class SloConfig(pydantic.BaseModel, extra="forbid"):
+    """The per-request service-level objective the goodput gate counts (any subset of bounds)."""
+
+    ttft_s: float | None = Field(
+        None, gt=0.0, description="Largest time to first token (seconds) of a request that meets the SLO; null: no TTFT bound."
+    )
+    tpot_s: float | None = Field(
+        None,
+        gt=0.0,
+        description="Largest time per output token after the first (seconds) of a request that meets the SLO (a "
+        "one-token output has none to miss); null: no TPOT bound.",
+    )
+    e2e_s: float | None = Field(
+        None, gt=0.0, description="Largest end-to-end latency (seconds) of a request that meets the SLO; null: no E2E bound."
+    )
+
+    @property
+    def bounds(self) -> dict[str, float]:
+        """The configured bounds by record field (ttft_s, tpot_s, e2e_s); empty: no SLO, no goodput gate."""
+        return {name: value for name, value in (("ttft_s", self.ttft_s), ("tpot_s", self.tpot_s), ("e2e_s", self.e2e_s))
+                if value is not None}
+
+    def text(self) -> str:
+        """The SLO as a reader sees it: 'TTFT <= 0.3 s, TPOT <= 0.05 s'."""
+        labels = {"ttft_s": "TTFT", "tpot_s": "TPOT", "e2e_s": "E2E"}
+        return ", ".join(f"{labels[name]} <= {value:g} s" for name, value in self.bounds.items()) or "no bound"
 
 
 class GatesConfig(pydantic.BaseModel, extra="forbid"):
@@ -124,6 +153,26 @@ class GatesConfig(pydantic.BaseModel, extra="forbid"):
         "the pinning promised (equal); an exact binomial test below this p-value makes the run inconclusive "
         "(a dead or ejected replica, or a router bug, not the canary's merit, decided the data).",
     )
+
+    slo: SloConfig | None = Field(
+        None,
+        description="Per-request SLO for the goodput gate (goodput_guard): a request meets it when it succeeded and "
+        "every bound given holds; failed requests miss it, cancelled ones are not requests. Null (or every bound null): "
+        "no goodput gate.",
+    )
+    goodput_max_decrease: float = Field(
+        0.05,
+        ge=0.0,
+        lt=1.0,
+        description="Goodput gate margin: the canary's share of requests meeting gates.slo may be at most this much "
+        "below the baseline's (absolute, 0.05 = 5 points), paired by prompt. Pass needs the upper confidence bound of "
+        "the drop below it; fail needs the lower bound above it.",
+    )
+
+    @property
+    def goodput_slo(self) -> SloConfig | None:
+        """The SLO when it sets at least one bound (the goodput gate exists), else None."""
+        return self.slo if self.slo is not None and self.slo.bounds else None
 
     @pydantic.field_validator("enabled")
     @classmethod

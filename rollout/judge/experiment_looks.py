@@ -20,7 +20,8 @@ The rules (the controller's, unchanged):
   every sample's look), the acceptance-length floor on the canary's spec-decode
   counters since the phase began (``acceptance``), and the sample-ratio check
   (``sample_ratio``: the arms' completed requests against the equal shares the
-  alternating pinning promises);
+  alternating pinning promises), and, when ``gates.slo`` sets a bound, the goodput
+  gate on the arms' requests paired by prompt, a look per block (``goodput``);
 * the phase stops at information 1, or from ``min_looks`` on once every enabled
   gate is decided (``verdicts.is_final``).
 
@@ -40,9 +41,11 @@ from cluster.metrics import SpecDecodeStats
 from loadtests.records import RequestRecord
 from rollout.judge.acceptance import judge_acceptance
 from rollout.judge.config import GatesConfig
+from rollout.judge.goodput import goodput_samples, judge_goodput
 from rollout.judge.latency import LatencySamples, judge_latency, latency_samples_from_records
 from rollout.judge.sample_ratio import judge_sample_ratio
-from rollout.judge.verdicts import GateResult, Verdict, is_final
+from rollout.judge.names import GOODPUT_NAME
+from rollout.judge.verdicts import GateResult, Verdict, is_enabled, is_final
 
 __all__ = [
     "ARMS",
@@ -166,7 +169,8 @@ def judge_look(
     canary_spec: SpecDecodeStats | None,
     speculative_canary: bool,
 ) -> list[GateResult]:
-    """Every experiment gate at look ``len(fractions)`` on all records so far: latency, acceptance, sample ratio.
+    """Every experiment gate at look ``len(fractions)`` on all records so far: latency, acceptance, sample ratio,
+    and goodput when the config enables it (``gates.slo`` sets a bound).
 
     ``looks_of[i]`` is the look record ``i`` arrived in; ``fractions`` the information
     fraction of every look so far, this one last. ``canary_spec`` is the canary's
@@ -182,7 +186,11 @@ def judge_look(
             update={"verdict": Verdict.FAIL, "detail": "the speculative canary made no drafts under load"}
         )
     sample_ratio = judge_sample_ratio(requests_by_arm(records), cfg, promised_shares(records, plan.arm_users), look=look)
-    return [*latency, acceptance, sample_ratio]
+    gates = [*latency, acceptance, sample_ratio]
+    if is_enabled(GOODPUT_NAME, cfg) and cfg.goodput_slo is not None:
+        samples = goodput_samples(records, cfg.goodput_slo, looks_of)
+        gates.append(judge_goodput(samples, cfg, look=look, max_looks=plan.planned_looks, information=list(fractions)))
+    return gates
 
 
 def stop_after(look: int, fractions: Sequence[float], plan: LookPlan, gates: Sequence[GateResult], cfg: GatesConfig) -> str | None:

@@ -9,6 +9,7 @@ __all__ = [
     "DIVERGENCE_NAME",
     "ACCEPTANCE_NAME",
     "SAMPLE_RATIO_NAME",
+    "GOODPUT_NAME",
     "GATE_NAMES",
     "GATE_PHASES",
 ]
@@ -19,7 +20,11 @@ ACCURACY_NAME = "accuracy_noninferiority"
 DIVERGENCE_NAME = "output_divergence"
 ACCEPTANCE_NAME = "acceptance_length_floor"
 SAMPLE_RATIO_NAME = "sample_ratio"
-GATE_NAMES = (OBJECTIVE_NAME, *GUARDRAIL_NAMES, ACCURACY_NAME, DIVERGENCE_NAME, ACCEPTANCE_NAME, SAMPLE_RATIO_NAME)
+# judged only when gates.slo sets a bound; not one of the Holm-adjusted latency guardrails (a family of its own)
+GOODPUT_NAME = "goodput_guard"
+GATE_NAMES = (
+    OBJECTIVE_NAME, *GUARDRAIL_NAMES, ACCURACY_NAME, DIVERGENCE_NAME, ACCEPTANCE_NAME, SAMPLE_RATIO_NAME, GOODPUT_NAME,
+)
 
 # the run phase (rollout.config section) whose data judges each gate: with that phase
 # disabled the gate cannot be judged, so the run cannot promote while the gate is enabled
@@ -28,6 +33,7 @@ GATE_PHASES = {
     **{name: "experiment" for name in GUARDRAIL_NAMES},
     ACCEPTANCE_NAME: "experiment",
     SAMPLE_RATIO_NAME: "experiment",
+    GOODPUT_NAME: "experiment",
     ACCURACY_NAME: "accuracy",
     DIVERGENCE_NAME: "accuracy",
 }

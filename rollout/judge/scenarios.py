@@ -34,6 +34,14 @@ Order and clock: ``users`` closed-loop streams; each sends its next request when
 previous one ends; records come out in completion order with ``sent_at`` and
 ``e2e_s``, so the look rule runs on their clock as on a live run's.
 
+Goodput at the margin: `goodput_share` is an arm's true share of requests meeting an SLO
+(TTFT, TPOT, E2E bounds) in the ``iid`` and ``arm_level_SD`` worlds, exactly (quadrature
+over the per-look level and the TTFT noise: E2E couples TTFT and TPOT), and
+`goodput_boundary_spec` moves the canary's TTFT factor (its TPOT factor when the SLO
+bounds neither TTFT nor E2E) until baseline - canary is exactly the margin. Under
+``arm_level_SD`` the level is drawn per look-sized block, so the shares a trial sees
+swing from look to look around that truth: the correlated world the gate must survive.
+
 Speculative decoding (canary): every decode step drafts ``k`` tokens; position i is
 accepted with probability ``r`` if every earlier one was (``r`` solved from the
 trial's true mean acceptance length). Counters accumulate per completed request.
@@ -49,10 +57,11 @@ from __future__ import annotations
 
 import heapq
 import math
-from dataclasses import dataclass
+from collections.abc import Mapping
+from dataclasses import dataclass, replace
 
 import numpy as np
-from scipy import optimize
+from scipy import optimize, special
 
 from cluster.arms import BASELINE, CANARY
 from loadtests.records import RequestRecord
@@ -64,6 +73,8 @@ __all__ = [
     "TrialSpec",
     "StreamShape",
     "simulate_records",
+    "goodput_share",
+    "goodput_boundary_spec",
     "spec_decode_by_request",
     "acceptance_rate_for_length",
     "paired_items",
@@ -264,6 +275,65 @@ def simulate_records(
             fields.update(ttft_s=None, output_tokens=None, chunks=0, status=500, error="simulated server error")
         records.append(template.model_copy(update=fields))
     return records
+
+
+# -- goodput ------------------------------------------------------------------------------
+GOODPUT_LEVEL_NODES = 64  # Gauss-Hermite nodes over the per-look level (exact for any smooth integrand here)
+GOODPUT_TTFT_GRID = 4001  # trapezoid points over the TTFT noise below the TTFT bound (E2E couples TTFT and TPOT)
+
+
+def goodput_share(
+    world: LatencyWorld, spec: TrialSpec, shape: StreamShape, bounds: Mapping[str, float], canary: bool
+) -> float:
+    """An arm's true share of requests that succeed and meet ``bounds`` (``ttft_s``, ``tpot_s``, ``e2e_s``).
+
+    Worlds ``iid`` and ``arm_level_SD`` only (the level, shared by the arm's log TTFT and
+    log TPOT in a block, is integrated out: the share over the whole run).
+    """
+    if spec.scenario != "iid" and not spec.scenario.startswith("arm_level_"):
+        raise ValueError(f"goodput_share models the iid and arm_level_* worlds, not {spec.scenario!r}")
+    tokens = shape.output_tokens
+    log_ttft = math.log(world.ttft_median_s) + (math.log(spec.ttft_ratio) if canary else 0.0)
+    log_tpot = math.log(world.tpot_median_s) + (math.log(spec.tpot_ratio) if canary else 0.0)
+    ttft_max, tpot_max, e2e_max = (bounds.get(name, math.inf) for name in ("ttft_s", "tpot_s", "e2e_s"))
+    level_sd = _arm_level(spec.scenario)
+    nodes, weights = np.polynomial.hermite_e.hermegauss(GOODPUT_LEVEL_NODES) if level_sd > 0 else (np.zeros(1), np.ones(1))
+    weights = weights / weights.sum()
+    total = 0.0
+    for level, weight in zip(nodes * level_sd, weights):
+        # the TTFT noise up to the TTFT bound; at each, the TPOT bound the E2E bound leaves
+        e_max = (math.log(ttft_max) - log_ttft - level) / world.ttft_sigma if math.isfinite(ttft_max) else 9.0
+        if not math.isfinite(e2e_max):
+            tpot_share = special.ndtr((math.log(tpot_max) - log_tpot - level) / world.tpot_sigma) if math.isfinite(tpot_max) else 1.0
+            total += weight * float(special.ndtr(e_max)) * float(tpot_share)
+            continue
+        eps = np.linspace(-9.0, min(e_max, 9.0), GOODPUT_TTFT_GRID)
+        ttft = np.exp(log_ttft + level + world.ttft_sigma * eps)
+        room = (e2e_max - ttft) / max(tokens - 1, 1)
+        tpot_bound = np.minimum(room, tpot_max)
+        with np.errstate(divide="ignore"):
+            tpot_share = np.where(tpot_bound > 0, special.ndtr((np.log(np.maximum(tpot_bound, 1e-300)) - log_tpot - level) / world.tpot_sigma), 0.0)
+        density = np.exp(-(eps**2) / 2.0) / math.sqrt(2.0 * math.pi)
+        total += weight * float(np.trapezoid(density * tpot_share, eps)) if eps[-1] > eps[0] else 0.0
+    error_rate = world.error_rate if not canary or spec.canary_error_rate is None else spec.canary_error_rate
+    return (1.0 - error_rate) * total
+
+
+def goodput_boundary_spec(
+    world: LatencyWorld, spec: TrialSpec, shape: StreamShape, bounds: Mapping[str, float], drop: float
+) -> TrialSpec:
+    """``spec`` with the canary's TTFT factor (its TPOT factor when ``bounds`` has no TTFT or E2E bound) moved
+    until baseline goodput - canary goodput is exactly ``drop``."""
+    field = "ttft_ratio" if ("ttft_s" in bounds or "e2e_s" in bounds) else "tpot_ratio"
+    baseline = goodput_share(world, spec, shape, bounds, canary=False)
+
+    def gap(log_factor: float) -> float:
+        trial = replace(spec, **{field: math.exp(log_factor)})
+        return baseline - goodput_share(world, trial, shape, bounds, canary=True) - drop
+
+    if gap(math.log(1e3)) <= 0:
+        raise ValueError(f"no canary {field} puts the goodput drop at {drop:g} (the baseline's goodput is {baseline:.3f})")
+    return replace(spec, **{field: math.exp(optimize.brentq(gap, math.log(1e-3), math.log(1e3), xtol=1e-12))})
 
 
 # -- speculative decoding --------------------------------------------------------------

@@ -17,7 +17,7 @@ import pydantic
 from pydantic import Field
 
 from rollout.judge.config import GatesConfig
-from rollout.judge.names import ACCEPTANCE_NAME, GATE_NAMES
+from rollout.judge.names import ACCEPTANCE_NAME, GATE_NAMES, GOODPUT_NAME
 
 __all__ = [
     "Verdict",
@@ -70,6 +70,8 @@ def is_enabled(name: str, cfg: GatesConfig) -> bool:
     if name == "e2e_p95_guard" and cfg.e2e_p95_max_ratio is None:
         return False
     if name == ACCEPTANCE_NAME and cfg.min_acceptance_length is None:
+        return False
+    if name == GOODPUT_NAME and cfg.goodput_slo is None:
         return False
     return True
 

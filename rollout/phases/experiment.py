@@ -9,6 +9,7 @@ import numpy as np
 from cluster.arms import BASELINE, CANARY
 from loadtests.health import percentile_ms
 from loadtests.records import RequestRecord
+from rollout.judge.goodput import goodput_by_arm
 from rollout.phases.experiment_loop import LOAD_MARGIN_S, LOAD_STOP_TIMEOUT_S, ExperimentContext, ExperimentPhase
 from rollout.result import ExperimentSummary, SpecDecodeSummary
 from rollout.run_context import RunContext
@@ -68,6 +69,9 @@ class Experiment:
         ).run()
         ctx.experiment_capped = outcome.capped_reason
         records = outcome.records
+        slo = ctx.cfg.gates.goodput_slo
+        # goodput over the judged records (those after the last look have no verdict), as the goodput gate counts
+        judged = records[: len(records) - outcome.summary["records_after_last_look"]]
         for arm, stats in outcome.spec_decode.items():
             k = ctx.engines[arm].num_speculative_tokens
             expected = None
@@ -81,6 +85,7 @@ class Experiment:
                 arm: _mean([r.decode_tokens_per_chunk for r in records if r.arm == arm]) for arm in (BASELINE, CANARY)
             },
             stopped_by="abort" if outcome.aborted else "max_duration_s" if outcome.capped_reason else "evidence",
+            goodput=goodput_by_arm(judged, slo) if slo is not None else None,
         )
         ctx.result.gates += outcome.gates
 
