@@ -100,6 +100,26 @@ class AccuracyConfig(EvalSpec):
 WORKER_PLACEMENTS = ("local", "auto", "spread", "pack", "node", "label", "resource")
 
 
+class AdaptiveSweepConfig(BaseModel):
+    """The sweep picks its own levels to find where speculation stops paying (rollout.crossover.next_level)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    enabled: bool = Field(False, description="doubling from start_level, then bisection around the crossover load")
+    start_level: int = Field(1, ge=1, description="first level, closed-loop streams per replica")
+    max_level: int = Field(32, ge=1, description="doubling stops at this level (streams per replica)")
+    min_step: float = Field(
+        1.0, gt=0, description="bisection stops when the last winning and first losing levels are at most this far apart"
+    )
+    max_levels: int = Field(8, ge=2, le=32, description="levels in all (doubling and bisection), each step_s long")
+
+    @model_validator(mode="after")
+    def _range(self) -> "AdaptiveSweepConfig":
+        if self.max_level < self.start_level:
+            raise ValueError(f"max_level {self.max_level} is below start_level {self.start_level}")
+        return self
+
+
 class SweepConfig(BaseModel):
     """Speedup vs load: after the judged windows, both arms at several loads (informational, no gate)."""
 
@@ -109,6 +129,9 @@ class SweepConfig(BaseModel):
         default_factory=list, description="closed-loop streams per replica, in order, e.g. [1, 4, 16]; empty: no sweep"
     )
     step_s: int = Field(30, ge=5, description="seconds at each level")
+    adaptive: AdaptiveSweepConfig = Field(
+        default_factory=AdaptiveSweepConfig, description="pick the levels adaptively instead of listing them"
+    )
 
     @field_validator("levels")
     @classmethod
@@ -116,6 +139,21 @@ class SweepConfig(BaseModel):
         if any(level < 1 for level in levels):
             raise ValueError("sweep levels are streams per replica: each must be >= 1")
         return levels
+
+    @model_validator(mode="after")
+    def _one_way_to_pick_levels(self) -> "SweepConfig":
+        if self.adaptive.enabled and self.levels:
+            raise ValueError("levels and adaptive.enabled exclude each other (the adaptive sweep picks its levels)")
+        return self
+
+    @property
+    def enabled(self) -> bool:
+        return bool(self.levels) or self.adaptive.enabled
+
+    @property
+    def planned_s(self) -> int:
+        """The sweep's length at its bound: every level (at most adaptive.max_levels) for step_s."""
+        return (self.adaptive.max_levels if self.adaptive.enabled else len(self.levels)) * self.step_s
 
 
 class ExperimentConfig(BaseModel):

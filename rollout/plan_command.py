@@ -123,7 +123,7 @@ def gpu_hours(cfg) -> dict[str, Any]:
     phases = {"fleet_start_s": cfg.startup_timeout_s}
     if cfg.experiment.enabled:
         phases["experiment_s"] = cfg.experiment.max_duration_s
-        phases["sweep_s"] = len(cfg.experiment.sweep.levels) * cfg.experiment.sweep.step_s
+        phases["sweep_s"] = cfg.experiment.sweep.planned_s
     if cfg.progressive.enabled:
         phases["progressive_s"] = sum(
             s.bake_s + (cfg.progressive.pause_timeout_s if s.pause else 0) for s in cfg.progressive.steps

@@ -12,7 +12,7 @@ from pydantic import ValidationError
 
 from rollout.atomic_file import write_atomically
 from rollout.judge.config import SloConfig
-from rollout.load_sweep import sweep_table
+from rollout.load_sweep import crossover_line, sweep_table
 from rollout.pipeline_artifacts import write_pipeline_artifacts
 from rollout.report_html import write_html_report
 from rollout.result import RunResult, decision_document
@@ -147,6 +147,8 @@ def _sweep(doc: dict[str, Any]) -> list[str]:
     lines = ["", "## Speedup vs load (sweep, no gate)", ""]
     lines += sweep_table(exp["sweep"], ("baseline", "canary"))
     lines.append("\nTPOT from usage tokens per request; tokens/chunk is the client's view of the acceptance length.")
+    if exp.get("sweep_crossover"):
+        lines.append(crossover_line(exp["sweep_crossover"]))
     return lines
 
 

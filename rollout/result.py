@@ -16,6 +16,7 @@ from typing import Any
 from pydantic import BaseModel, ConfigDict
 
 from rollout.config import RolloutConfig
+from rollout.crossover import Crossing, LevelResult
 from rollout.judge.goodput import ArmGoodput
 from rollout.judge.verdicts import Decision, GateResult
 from rollout.redact import known_secrets, redact_document
@@ -85,6 +86,16 @@ class SweepRow(Summary):
     tpot_ratio: float | None
 
 
+class SweepCrossover(Summary):
+    """Where speculation stops paying (rollout.crossover): the load at which the sweep's TPOT ratio
+    crosses 1.0 and the objective's bar, each with its interval, from the per-level intervals."""
+
+    ratio_1: Crossing
+    objective_bar: Crossing
+    levels: list[LevelResult]
+    adaptive: bool  # the levels were picked by the adaptive sweep (experiment.sweep.adaptive)
+
+
 class ExperimentSummary(Summary):
     looks: list[LookSummary]
     planned_looks: int
@@ -105,11 +116,12 @@ class ExperimentSummary(Summary):
     client_tokens_per_chunk: dict[str, float | None]
     stopped_by: str  # evidence | max_duration_s | abort
     sweep: list[SweepRow] | None = None  # speedup vs load (no gate); absent when no sweep ran
+    sweep_crossover: SweepCrossover | None = None  # beside the sweep's rows (a list): absent when no sweep ran
     # per arm, the judged requests meeting gates.slo (rollout.judge.goodput); absent when no SLO is set
     goodput: dict[str, ArmGoodput] | None = None
 
     def document(self) -> dict[str, Any]:
-        absent = {name for name in ("sweep", "goodput") if getattr(self, name) is None}
+        absent = {name for name in ("sweep", "sweep_crossover", "goodput") if getattr(self, name) is None}
         return self.model_dump(mode="json", exclude=absent or None)
 
 

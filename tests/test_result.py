@@ -17,10 +17,11 @@ import pytest
 import yaml
 
 from rollout.config import parse_config
+from rollout.crossover import LevelResult, crossing
 from rollout.judge.config import GatesConfig
 from rollout.judge.verdicts import Decision
 from rollout.report import markdown_report
-from rollout.result import RunResult, UsageSummary, decision_document
+from rollout.result import RunResult, SweepCrossover, UsageSummary, decision_document
 from tests.conftest import REPO
 
 RECORDED = REPO / "tests" / "data" / "recorded_runs"
@@ -58,9 +59,20 @@ def recorded_document(run: str) -> dict:
     doc["gates_config"] = GatesConfig(**doc["gates_config"]).model_dump(mode="json")
     if doc.get("experiment"):
         doc["experiment"] = {**doc["experiment"], **{k: v for k, v in ADDED_EXPERIMENT_FIELDS.items() if k not in doc["experiment"]}}
+        if doc["experiment"].get("sweep") and "sweep_crossover" not in doc["experiment"]:
+            doc["experiment"]["sweep_crossover"] = sweep_crossover_of(doc["experiment"]["sweep"])
     if doc.get("timings", {}).get("fleet_start_s") is not None:  # a run whose fleet started: what it held
         doc.setdefault("usage", UsageSummary.held(gpus=0, replicas=2, held_s=1.0).document())
     return doc
+
+
+def sweep_crossover_of(rows: list[dict]) -> dict:
+    """The crossover a sweep writes since (experiment.sweep_crossover), from a recorded sweep's rows
+    (their ratios; the intervals need the records, which were not kept: its key paths are what matter)."""
+    levels = [LevelResult(level=r["level"], ratio=r["tpot_ratio"], ratio_low=None, ratio_high=None, pairs=0, block=None)
+              for r in rows]
+    return SweepCrossover(ratio_1=crossing(levels, 1.0), objective_bar=crossing(levels, 1.0), levels=levels,
+                          adaptive=False).document()
 
 
 def config_of(doc: dict):
