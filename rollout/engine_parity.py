@@ -59,9 +59,11 @@ UNSET = "unset"
 # vLLM reads `-O3`, `-O=3` and `-O 3` as --optimization-level 3 (FlexibleArgumentParser)
 OPTIMIZATION_LEVEL = "--optimization-level"
 _NUMBER = re.compile(r"^-\.?[0-9]")  # argparse reads "-1" and "-.5" as values, not flags
-# The error line is capped (rollout.config: 400 characters); past this budget the remaining
-# fields are named without their values so that every one of them is still named.
-MESSAGE_BUDGET = 300
+# The error line is capped (rollout.config: 400 characters, its file name included): past
+# VALUES_BUDGET the remaining fields are named without their values, past NAMES_BUDGET only
+# counted, so that the line still ends with what is under test.
+VALUES_BUDGET = 160
+NAMES_BUDGET = 260
 VALUE_CHARS = 60
 
 
@@ -84,17 +86,25 @@ class EngineDifference(BaseModel):
 # -- extra_args as vLLM reads them -----------------------------------------------------------
 
 
-def flag_key(arg: str) -> str:
-    """The option vLLM's parser sees for a flag token, as this module names it: '_' read as '-'
-    between '--' and the first '.' (a dotted `--x.y` keeps its path), the text after '=' dropped,
-    and `--no-x` (BooleanOptionalAction's negation) named `--x`."""
+def _respelt(arg: str) -> str:
+    """The option name of a flag token as vLLM's parser respells it: the text after '=' dropped,
+    '_' read as '-' between '--' and the first '.' (a dotted `--x.y` keeps its path)."""
     name = arg.split("=", 1)[0]
     if name.startswith("--"):
         head, dot, path = name[2:].partition(".")
         name = "--" + head.replace("_", "-") + dot + path
-        if name.startswith("--no-") and not dot:
-            name = "--" + name[len("--no-"):]
     return name
+
+
+def _negated(arg: str) -> bool:
+    """`--no-x` (BooleanOptionalAction's negation of --x), in any spelling vLLM accepts."""
+    name = _respelt(arg)
+    return name.startswith("--no-") and "." not in name
+
+
+def flag_key(arg: str) -> str:
+    """The option a flag token sets, as this module names it: `_respelt`, and `--no-x` named `--x`."""
+    return "--" + _respelt(arg)[len("--no-"):] if _negated(arg) else _respelt(arg)
 
 
 def _is_flag(token: str) -> bool:
@@ -141,9 +151,7 @@ def parse_engine_args(args: Iterable[str]) -> dict[str, tuple[str, ...]]:
         if _is_flag(token):
             if current is not None:
                 _add_occurrence(parsed, *current)
-            name = token.split("=", 1)[0]
-            negated = name.startswith("--no-") and "." not in name
-            current = (flag_key(token), "false" if negated else "true", [token.split("=", 1)[1]] if "=" in token else [])
+            current = (flag_key(token), "false" if _negated(token) else "true", [token.split("=", 1)[1]] if "=" in token else [])
         elif current is not None:
             current[2].append(token)
         else:  # a value before any flag (vLLM would read it as the model tag)
@@ -286,7 +294,7 @@ def parity_error(
     differences: Mapping[str, list[EngineDifference]], under_test: Iterable[str]
 ) -> str | None:
     """The one-line refusal naming every difference not under test, each with both values
-    (values dropped past MESSAGE_BUDGET so every field is still named); None when there is none.
+    (past VALUES_BUDGET names only, past NAMES_BUDGET a count); None when there is none.
     `differences`: candidate arm name -> its differences from the baseline."""
     declared = list(under_test)
     parts: list[str] = []
@@ -295,10 +303,15 @@ def parity_error(
         if not beyond:
             continue
         named: list[str] = []
-        for difference in beyond:
+        used = 0
+        for i, difference in enumerate(beyond):
             full = difference.describe(arm)
-            used = sum(len(n) + 2 for n in named)
-            named.append(full if used + len(full) <= MESSAGE_BUDGET else difference.describe(arm, with_values=False))
+            text = full if used + len(full) <= VALUES_BUDGET else difference.describe(arm, with_values=False)
+            if used + len(text) > NAMES_BUDGET:
+                named.append(f"and {len(beyond) - i} more")
+                break
+            named.append(text)
+            used += len(text) + 2
         parts.append(f"{arm} differs from baseline in {', '.join(named)}")
     if not parts:
         return None
