@@ -161,7 +161,7 @@ class ExperimentConfig(BaseModel):
     )
     sweep: SweepConfig = Field(default_factory=SweepConfig)
     under_test: list[str] = Field(
-        default_factory=lambda: list(engine_parity.DEFAULT_UNDER_TEST),
+        list(engine_parity.DEFAULT_UNDER_TEST),  # pydantic copies a list default per instance
         description="the engine fields the canary may change; any other difference from the baseline is refused "
         "before anything starts (engine parity). Names: an engine field (speculative_config, dtype, model, ...), "
         "cpu.<limit>, tiny_model.<option> (tiny_model.draft_noise), extra_args:--<flag> (extra_args:--max-num-seqs, "
