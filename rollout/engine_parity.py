@@ -326,6 +326,9 @@ def _clip(text: str) -> str:
 # -- what the server says it ran with ----------------------------------------------------------
 
 NON_DEFAULT_ARGS = "non-default args: "
+# what a replica's log is searched for (cluster.fleet.Fleet.log_lines_with): the args line,
+# the start banner and the engine core's first line
+SERVER_LOG_NEEDLES = (NON_DEFAULT_ARGS, " version ", "LLM engine (v")
 _ANSI = re.compile(r"\x1b\[[0-9;]*m")
 # the start banner (logo or plain) and the engine core's first line; no other "version" line
 _VERSIONS = (

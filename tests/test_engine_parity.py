@@ -330,3 +330,31 @@ def test_a_log_with_a_restart_gives_the_last_server_s_record():
     assert run.vllm_version == "0.32.0" and run.non_default_args["speculative_config"] == K3
     empty = engine_run_from_log(["Triton is installed, but doesn't include CPU backend."])
     assert empty.vllm_version is None and empty.non_default_args is None and empty.unparsed is None
+
+
+def test_a_replica_reads_its_own_launch_s_lines_and_preflight_records_them_per_arm(tmp_path):
+    from types import SimpleNamespace
+
+    from cluster.replica import VLLMReplicaServer
+    from rollout.engine_parity import SERVER_LOG_NEEDLES
+    from rollout.phases.preflight import Preflight
+
+    replica = VLLMReplicaServer("canary-0", "canary", engine(), str(tmp_path))
+    earlier = BANNER.replace("0.32.0", "0.31.0") + "\n" + ARGS.replace("'port': 53931", "'port': 1") + "\n"
+    (tmp_path / "canary-0.log").write_text(earlier)
+    replica._log_offset = len(earlier.encode())  # what launch() sets: this launch starts here
+    with open(tmp_path / "canary-0.log", "a") as log:
+        log.write("Triton is installed\n" + BANNER + "\n" + ARGS + "\n" + ENGINE + "\nINFO Route: /version, Methods: GET\n")
+    lines = replica.log_lines_with(SERVER_LOG_NEEDLES)
+    assert lines == [BANNER, ARGS, ENGINE]
+
+    fleet = SimpleNamespace(
+        replicas=[SimpleNamespace(name="baseline-0", arm="baseline"), SimpleNamespace(name="canary-0", arm="canary")],
+        log_lines_with=lambda needles: {"canary-0": replica.log_lines_with(needles)},  # baseline-0 not read
+    )
+    ctx = SimpleNamespace(fleet=fleet, result=SimpleNamespace(arms={"baseline": {"replicas": 1}, "canary": {"replicas": 1}}))
+    Preflight._record_servers(ctx)
+    assert "servers" not in ctx.result.arms["baseline"]  # missing is missing, never made up
+    server = ctx.result.arms["canary"]["servers"]["canary-0"]
+    assert server["vllm_version"] == "0.32.0" and server["non_default_args"]["port"] == 53931
+    assert server["non_default_args"]["speculative_config"] == K3 and server["unparsed"] is None

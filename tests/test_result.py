@@ -11,6 +11,7 @@ where the numbers are made, not what decision.json and report.md say.
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -27,8 +28,10 @@ RECORDED = REPO / "tests" / "data" / "recorded_runs"
 RUNS = sorted(p.name for p in RECORDED.iterdir() if (p / "decision.json").exists())
 
 
-# what varies from run to run in the paths themselves: the probe's keys (layer counts it timed)
+# what varies from run to run in the paths themselves: the probe's keys (layer counts it timed),
+# and the arg names a server logged as non-default (they follow the config and vLLM's version)
 VARIABLE_SUBTREES = ("prepare.tiny_model.",)
+VARIABLE_PATHS = re.compile(r"^arms\.[^.]+\.servers\.[^.]+\.non_default_args\.")
 
 
 def key_paths(value, prefix: str = "") -> set[str]:
@@ -39,7 +42,7 @@ def key_paths(value, prefix: str = "") -> set[str]:
     if isinstance(value, dict):
         for key, item in value.items():
             path = f"{prefix}{key}"
-            if not path.startswith(VARIABLE_SUBTREES):
+            if not path.startswith(VARIABLE_SUBTREES) and not VARIABLE_PATHS.match(path):
                 paths |= {path} | key_paths(item, f"{path}.")
     elif isinstance(value, list):
         for item in value:
@@ -49,6 +52,8 @@ def key_paths(value, prefix: str = "") -> set[str]:
 
 # experiment fields added since the runs were recorded, with their defaults: a run today writes them
 ADDED_EXPERIMENT_FIELDS = {"arm_users": False}
+# what preflight records since of each replica's server (rollout.engine_parity.EngineRun)
+ADDED_SERVER_FIELDS = {"vllm_version": None, "non_default_args": {}, "unparsed": None}
 
 
 def recorded_document(run: str) -> dict:
@@ -56,6 +61,9 @@ def recorded_document(run: str) -> dict:
     doc = json.loads((RECORDED / run / "decision.json").read_text())
     if doc.get("experiment"):
         doc["experiment"] = {**doc["experiment"], **{k: v for k, v in ADDED_EXPERIMENT_FIELDS.items() if k not in doc["experiment"]}}
+    if doc.get("preflight"):
+        for arm, record in doc["arms"].items():
+            record.setdefault("servers", {f"{arm}-{i}": dict(ADDED_SERVER_FIELDS) for i in range(record["replicas"])})
     return doc
 
 
