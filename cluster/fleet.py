@@ -316,6 +316,18 @@ class Fleet:
         warnings = ray.get([r.actor.engine_warnings.remote() for r in self.replicas])
         return {r.name: w for r, w in zip(self.replicas, warnings)}
 
+    def log_lines_with(self, needles: tuple[str, ...]) -> dict[str, list[str]]:
+        """replica name -> its server log's lines holding any of `needles`; a replica whose actor
+        cannot answer (gone, or an earlier version adopted by a resumed run) is left out."""
+        refs = [(r, r.actor.log_lines_with.remote(needles)) for r in self.replicas]
+        found: dict[str, list[str]] = {}
+        for r, ref in refs:
+            try:
+                found[r.name] = ray.get(ref, timeout=30)
+            except Exception as exc:
+                self.progress(f"fleet: {r.name}: server log not read: {type(exc).__name__}")
+        return found
+
     # -- stop ------------------------------------------------------------------
     def teardown(self) -> None:
         """Stop every server (SIGTERM then SIGKILL), kill the actors, free the GPUs."""

@@ -305,6 +305,22 @@ class VLLMReplicaServer:
     def log_tail(self, lines: int = 40) -> list[str]:
         return read_tail(self.log_path, lines)
 
+    def log_lines_with(self, needles: tuple[str, ...], max_chars: int = 20_000) -> list[str]:
+        """Lines of this launch's server log holding any of `needles` (what the server says it
+        runs: its version, its non-default args), each clipped to max_chars; read here, on the
+        replica's node, where the log is."""
+        found: list[str] = []
+        try:
+            with open(self.log_path, "rb") as f:
+                f.seek(self._log_offset)
+                for raw in f:
+                    line = raw.decode("utf-8", errors="replace").rstrip("\n")
+                    if any(needle in line for needle in needles):
+                        found.append(line[:max_chars])
+        except FileNotFoundError:
+            return []
+        return found
+
     def _abandoned(self) -> None:
         """The lease lapsed (no controller renewed it): stop the server, free the GPU reservation.
 

@@ -23,6 +23,7 @@ from cluster.placement import (
     default_placement_timeout_s,
 )
 from cluster.router_limits import RouterLimits
+from rollout import engine_parity
 from rollout.evals import EvalSpec
 from rollout.judge.config import GatesConfig, GuardConfig
 from rollout.judge.stats import MAX_PLANNED_LOOKS
@@ -198,6 +199,13 @@ class ExperimentConfig(BaseModel):
         "'node:<id or ip>', 'label:key=value', 'resource:NAME[=N]', or 'local' (child processes of the controller)",
     )
     sweep: SweepConfig = Field(default_factory=SweepConfig)
+    under_test: list[str] = Field(
+        list(engine_parity.DEFAULT_UNDER_TEST),  # pydantic copies a list default per instance
+        description="the engine fields the canary may change; any other difference from the baseline is refused "
+        "before anything starts (engine parity). Names: an engine field (speculative_config, dtype, model, ...), "
+        "cpu.<limit>, tiny_model.<option> (tiny_model.draft_noise), extra_args:--<flag> (extra_args:--max-num-seqs, "
+        "any spelling vLLM reads as that flag), env:<NAME>; a group (extra_args, env, cpu, tiny_model) covers all of it",
+    )
     web_ui: bool = Field(False, description="serve Locust's web UI while the experiment runs")
     web_port: int = Field(8089, ge=1, le=65535)
     seed: int = 0
@@ -211,6 +219,15 @@ class ExperimentConfig(BaseModel):
                 f"unknown placement {placement!r}: local, auto, spread, pack, node:<id or ip>, label:key=value or resource:NAME[=N]"
             )
         return placement
+
+    @field_validator("under_test")
+    @classmethod
+    def _known_fields(cls, names: list[str]) -> list[str]:
+        for name in names:
+            error = engine_parity.under_test_error(name, TinyModelOptions.model_fields)
+            if error:
+                raise ValueError(error)
+        return list(dict.fromkeys(engine_parity.normalize_under_test(name) for name in names))
 
     @property
     def planned_looks(self) -> int:
@@ -342,6 +359,17 @@ class RolloutConfig(BaseModel):
                 f"experiment.arm_users: the {users} users must split evenly over {max(exp.workers, 1)} Locust "
                 "worker(s) and 2 arms (change users_per_replica or workers)"
             )
+        return self
+
+    @model_validator(mode="after")
+    def _engine_parity(self) -> "RolloutConfig":
+        # the arms may differ only in what the run judges: anything else would be credited to it
+        differences = engine_parity.engine_differences(
+            self.baseline.engine, self.canary.engine, self.baseline.tiny_model, self.canary.tiny_model
+        )
+        error = engine_parity.parity_error({"canary": differences}, self.experiment.under_test)
+        if error:
+            raise ValueError(error)
         return self
 
     @model_validator(mode="after")

@@ -195,7 +195,9 @@ class RunResult:
     progressive: ProgressiveSummary | None = None
     spec_decode: dict[str, SpecDecodeSummary] = field(default_factory=dict)
     engine_warnings: dict[str, list[str]] = field(default_factory=dict)
-    arms: dict[str, dict] = field(default_factory=dict)  # arm -> replicas, engine, tiny_model (as configured)
+    # arm -> replicas, engine, tiny_model (as configured); servers: replica -> what its log says it ran
+    # (vLLM version, non-default args: rollout.engine_parity.EngineRun), recorded by preflight
+    arms: dict[str, dict] = field(default_factory=dict)
     timings: dict[str, float] = field(default_factory=dict)
     timeline: list[dict] = field(default_factory=list)
     error: str | None = None

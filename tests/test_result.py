@@ -11,6 +11,7 @@ where the numbers are made, not what decision.json and report.md say.
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import pytest
@@ -28,8 +29,10 @@ RECORDED = REPO / "tests" / "data" / "recorded_runs"
 RUNS = sorted(p.name for p in RECORDED.iterdir() if (p / "decision.json").exists())
 
 
-# what varies from run to run in the paths themselves: the probe's keys (layer counts it timed)
+# what varies from run to run in the paths themselves: the probe's keys (layer counts it timed),
+# and the arg names a server logged as non-default (they follow the config and vLLM's version)
 VARIABLE_SUBTREES = ("prepare.tiny_model.",)
+VARIABLE_PATHS = re.compile(r"^arms\.[^.]+\.servers\.[^.]+\.non_default_args\.")
 
 
 def key_paths(value, prefix: str = "") -> set[str]:
@@ -40,7 +43,7 @@ def key_paths(value, prefix: str = "") -> set[str]:
     if isinstance(value, dict):
         for key, item in value.items():
             path = f"{prefix}{key}"
-            if not path.startswith(VARIABLE_SUBTREES):
+            if not path.startswith(VARIABLE_SUBTREES) and not VARIABLE_PATHS.match(path):
                 paths |= {path} | key_paths(item, f"{path}.")
     elif isinstance(value, list):
         for item in value:
@@ -50,6 +53,8 @@ def key_paths(value, prefix: str = "") -> set[str]:
 
 # experiment fields added since the runs were recorded, with their defaults: a run today writes them
 ADDED_EXPERIMENT_FIELDS = {"arm_users": False}
+# what preflight records since of each replica's server (rollout.engine_parity.EngineRun)
+ADDED_SERVER_FIELDS = {"vllm_version": None, "non_default_args": {}, "unparsed": None}
 
 
 def recorded_document(run: str) -> dict:
@@ -63,6 +68,9 @@ def recorded_document(run: str) -> dict:
             doc["experiment"]["sweep_crossover"] = sweep_crossover_of(doc["experiment"]["sweep"])
     if doc.get("timings", {}).get("fleet_start_s") is not None:  # a run whose fleet started: what it held
         doc.setdefault("usage", UsageSummary.held(gpus=0, replicas=2, held_s=1.0).document())
+    if doc.get("preflight"):
+        for arm, record in doc["arms"].items():
+            record.setdefault("servers", {f"{arm}-{i}": dict(ADDED_SERVER_FIELDS) for i in range(record["replicas"])})
     return doc
 
 

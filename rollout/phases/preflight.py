@@ -1,12 +1,17 @@
 """Preflight: every replica answers a smoke request, /metrics scrapes, and a speculative
 canary really drafts (fail closed: a speculative config that never drafts is not the
-config under test). Engine warnings are recorded."""
+config under test). Engine warnings are recorded, and what each server says it runs with
+(its vLLM version and non-default args: decision.json arms.<arm>.servers.<replica>).
+
+The arms' configured engines were compared before anything started (rollout.engine_parity,
+called by the config's validation): here only what the servers logged is recorded."""
 
 from __future__ import annotations
 
 import requests
 
 from cluster.arms import CANARY
+from rollout.engine_parity import SERVER_LOG_NEEDLES, engine_run_from_log
 from rollout.judge.verdicts import Decision, GateResult, Verdict
 from rollout.result import PreflightSummary
 from rollout.run_context import InfrastructureError, RunContext
@@ -32,6 +37,7 @@ class Preflight:
             raise InfrastructureError(f"preflight: /metrics of {missing} could not be scraped")
         warnings = fleet.engine_warnings()
         ctx.result.engine_warnings = warnings
+        self._record_servers(ctx)
         canary_drafts = sum(metrics[h.name].spec_decode.drafts for h in fleet.handles(CANARY))
         k = ctx.engines[CANARY].num_speculative_tokens
         ctx.result.preflight = PreflightSummary(
@@ -50,6 +56,16 @@ class Preflight:
             self._fail_no_drafts(ctx, canary_drafts)
             return
         ctx.event("preflight", "pass", f"canary drafts {canary_drafts:g}")
+
+    @staticmethod
+    def _record_servers(ctx: RunContext) -> None:
+        """Each replica's vLLM version and non-default args, as its log says (a record for
+        comparing what the engines really ran with; a replica not read is left out)."""
+        lines = ctx.fleet.log_lines_with(SERVER_LOG_NEEDLES)
+        for handle in ctx.fleet.replicas:
+            if handle.name in lines and handle.arm in ctx.result.arms:
+                run = engine_run_from_log(lines[handle.name])
+                ctx.result.arms[handle.arm].setdefault("servers", {})[handle.name] = run.model_dump(mode="json")
 
     @staticmethod
     def _smoke(handle, model: str, api_key: str | None) -> int:
