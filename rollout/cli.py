@@ -383,6 +383,17 @@ def _print_status(doc: dict, as_json: bool) -> None:
     sys.stdout.flush()
 
 
+def _add_status_parser(sub: argparse._SubParsersAction) -> None:
+    status = sub.add_parser("status", help="a run's phase, step, canary weight and gate verdicts so far")
+    status.add_argument("run_id", metavar="RUN_ID")
+    status.add_argument("--runs-dir", default="runs")
+    status.add_argument("--json", action="store_true", help="one JSON object (decision is null while running)")
+    status.add_argument("--watch", action="store_true",
+                        help="print the status again whenever it changes until the run ends; exit as `run` did")
+    status.add_argument("--interval-s", type=float, default=2.0, help="--watch: seconds between reads (default 2)")
+    status.set_defaults(func=_cmd_status)
+
+
 def _add_resume_parser(sub: argparse._SubParsersAction) -> None:
     resume = sub.add_parser(
         "resume",
@@ -460,14 +471,7 @@ def build_parser() -> argparse.ArgumentParser:
     hist.add_argument("--runs-dir", default="runs")
     hist.set_defaults(func=_cmd_history)
 
-    status = sub.add_parser("status", help="a run's phase, step, canary weight and gate verdicts so far")
-    status.add_argument("run_id", metavar="RUN_ID")
-    status.add_argument("--runs-dir", default="runs")
-    status.add_argument("--json", action="store_true", help="one JSON object (decision is null while running)")
-    status.add_argument("--watch", action="store_true",
-                        help="print the status again whenever it changes until the run ends; exit as `run` did")
-    status.add_argument("--interval-s", type=float, default=2.0, help="--watch: seconds between reads (default 2)")
-    status.set_defaults(func=_cmd_status)
+    _add_status_parser(sub)
 
     for name, text in (
         ("promote", "answer a paused progressive rollout: continue to the next step"),

@@ -92,6 +92,9 @@ def outcome_of(job_id: str, status: str, driver_exit_code: int | None, message: 
     return Outcome(job_id, status, EXIT_INFRASTRUCTURE, reason=f"job {job_id} {status}{code} with no run exit code: {why}")
 
 
+_ADDRESSES = re.compile(r"\S+://\S+|\b\d{1,3}(?:\.\d{1,3}){3}(?::\d+)?|\S+:\d+")
+
+
 def client_for(address: str):
     """A JobSubmissionClient for `address`, carrying the Ray token when there is one."""
     from ray.job_submission import JobSubmissionClient
@@ -106,9 +109,12 @@ def client_for(address: str):
 
 def _connect_error(address: str, exc: Exception, token: str | None) -> str:
     text = " ".join(str(exc).split())
-    if "Authentication required" in text or "401" in text:
+    # the status codes, not digits of an address: port 52401 is no 401 (seen: an unreachable
+    # server reported as a refused token)
+    status_text = _ADDRESSES.sub(" ", text)
+    if "Authentication required" in text or re.search(r"\b401\b", status_text):
         return f"{address}: {TOKEN_HELP}" if token is None else f"{address}: the cluster refused the token given"
-    if "Authentication failed" in text or "403" in text:
+    if "Authentication failed" in text or re.search(r"\b403\b", status_text):
         return f"{address}: the cluster refused the Ray token (RAY_AUTH_TOKEN / RAY_AUTH_TOKEN_PATH / ~/.ray/auth_token)"
     return f"cannot reach the Ray job server at {address}: {text[:300]}"
 

@@ -166,15 +166,21 @@ def test_a_kernel_stamp_becomes_a_perf_counter_time(monkeypatch):
 
 @pytest.mark.skipif(openai_stream._SO_TIMESTAMPNS is None, reason="no kernel receive stamps on this platform")
 @pytest.mark.parametrize(
-    "stall, ttft_s, tpot_s, tokens, stall_s",
+    "stall, ttft_s, tpot_s, tokens, stall_s, tolerance_s",
     [
-        # from right after the headers to past the first chunk (at 30 ms), not to the second (70 ms)
-        ("over-the-first-chunk", 0.030, 0.040, 5, 0.055),
+        # from right after the headers to past the first chunk (at 300 ms), not to the second
+        # (900 ms). Long enough that a client timing the read instead of the arrival is 300 ms
+        # off, far outside the tolerance, which absorbs a target held up by a CPU quota (a
+        # cgroup throttles for tens of ms: seen +59 ms at a quarter of this machine's speed
+        # with a 30 ms first chunk). How close the client gets is a benchmark figure
+        # (benchmarks/loadgen.py: TTFT error), not this test's.
+        ("over-the-first-chunk", 0.300, 0.600, 5, 0.600, 0.150),
         # over the last 26 ms of the stream (it ends at 30 + 24 * 4 = 126 ms) and beyond
-        ("over-the-end", 0.030, 0.004, 25, 0.150),
+        ("over-the-end", 0.030, 0.004, 25, 0.150, 0.002),
     ],
 )
-def test_a_stalled_generator_still_times_the_stream_right(stall, ttft_s, tpot_s, tokens, stall_s, monkeypatch):
+def test_a_stalled_generator_still_times_the_stream_right(stall, ttft_s, tpot_s, tokens, stall_s, tolerance_s,
+                                                         monkeypatch):
     """The whole process stops (a CPU-bound greenlet, a descheduled process) over the
     first chunk or over the end of the stream; the bytes that arrived meanwhile carry
     their arrival times, so TTFT and TPOT stay right.
@@ -212,6 +218,6 @@ def test_a_stalled_generator_still_times_the_stream_right(stall, ttft_s, tpot_s,
         # vs what the target achieved (its timer runs late on a busy box): the client's own
         # error (below zero when the target itself was held up between its write and its clock)
         client_ttft_error_s = record.sent_at + record.ttft_s - achieved.first_sent_at
-        assert -0.005 < client_ttft_error_s < 0.002, (client_ttft_error_s, record)
+        assert -max(tolerance_s, 0.005) < client_ttft_error_s < tolerance_s, (client_ttft_error_s, record)
         achieved_tpot_s = (achieved.last_s - achieved.first_s) / (tokens - 1)
-        assert record.tpot_s == pytest.approx(achieved_tpot_s, abs=0.0002), record
+        assert record.tpot_s == pytest.approx(achieved_tpot_s, abs=max(tolerance_s / (tokens - 1), 0.0002)), record

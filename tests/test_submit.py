@@ -157,6 +157,16 @@ def test_unreachable_job_server_is_exit_1(capsys):
     assert "cannot reach the Ray job server" in capsys.readouterr().err
 
 
+@pytest.mark.parametrize("port", [52401, 40300, 8265])
+def test_a_refused_connection_is_never_read_as_a_refused_token_whatever_the_port(port):
+    address = f"http://127.0.0.1:{port}"
+    refused = ConnectionError(f"Failed to connect to Ray at address: {address}. HTTPConnectionPool(host='127.0.0.1', "
+                              f"port={port}): Max retries exceeded (Connection refused)")
+    assert submit._connect_error(address, refused, "a-token").startswith("cannot reach the Ray job server")
+    denied = RuntimeError(f"Request failed with status code 401: Unauthorized (at {address})")
+    assert "refused the token given" in submit._connect_error(address, denied, "a-token")
+
+
 def test_missing_token_names_the_fix(monkeypatch, tmp_path):
     monkeypatch.delenv("RAY_AUTH_TOKEN", raising=False)
     monkeypatch.setenv("RAY_AUTH_TOKEN_PATH", str(tmp_path / "none"))
