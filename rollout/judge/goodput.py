@@ -230,6 +230,30 @@ def _share_text(arm: ArmGoodput) -> str:
     return "n/a" if arm.share is None else f"{arm.share:.3f} ({arm.met}/{arm.of})"
 
 
+def _counts_by_look(samples: GoodputSamples, differences: np.ndarray, looks: list[int], boundary_look: int,
+                    planned: int, cfg: GatesConfig, fractions) -> tuple[np.ndarray, list[_LookCounts], str]:
+    """Per look 1..boundary_look (the pairs judged by then): whether it can be judged, its scaled
+    counts and critical value, and why the latest unusable one could not ("" once one could)."""
+    usable = np.zeros(len(looks), dtype=bool)
+    counts: list[_LookCounts] = []
+    why_not = ""
+    for i, lk in enumerate(looks):
+        keep = samples.look <= lk if (samples.look is not None and lk < boundary_look) else np.ones(samples.pairs, dtype=bool)
+        d, blocks = differences[keep], samples.block[keep]
+        n_blocks = int(np.unique(blocks).size)
+        if d.size < cfg.min_requests_per_arm:
+            why_not = f"Too few prompts served by both arms ({d.size} < {cfg.min_requests_per_arm} pairs)."
+            continue
+        if n_blocks < 2:
+            why_not = (f"Needs pairs from at least 2 blocks (has {n_blocks}): a latency level shared by one block's "
+                       "requests cannot be told from the arms' difference inside it.")
+            continue
+        usable[i] = True
+        counts.append(_look_counts(d, blocks, z(cfg.alpha, lk, planned, cfg, fractions)))
+        why_not = ""
+    return usable, counts, why_not
+
+
 def judge_goodput(
     samples: GoodputSamples,
     cfg: GatesConfig,
@@ -258,23 +282,7 @@ def judge_goodput(
     differences = samples.baseline_met.astype(float) - samples.canary_met.astype(float)
     use_looks = samples.look is not None
     looks = list(range(1, boundary_look + 1)) if use_looks else [boundary_look]
-    usable = np.zeros(len(looks), dtype=bool)
-    counts: list[_LookCounts] = []
-    why_not = ""
-    for i, lk in enumerate(looks):
-        keep = samples.look <= lk if (use_looks and lk < boundary_look) else np.ones(n, dtype=bool)
-        d, blocks = differences[keep], samples.block[keep]
-        n_blocks = int(np.unique(blocks).size)
-        if d.size < cfg.min_requests_per_arm:
-            why_not = f"Too few prompts served by both arms ({d.size} < {cfg.min_requests_per_arm} pairs)."
-            continue
-        if n_blocks < 2:
-            why_not = (f"Needs pairs from at least 2 blocks (has {n_blocks}): a latency level shared by one block's "
-                       "requests cannot be told from the arms' difference inside it.")
-            continue
-        usable[i] = True
-        counts.append(_look_counts(d, blocks, z(cfg.alpha, lk, planned, cfg, fractions)))
-        why_not = ""
+    usable, counts, why_not = _counts_by_look(samples, differences, looks, boundary_look, planned, cfg, fractions)
     lower_own, upper_own = np.full(len(looks), -np.inf), np.full(len(looks), np.inf)
     if counts:  # one vectorised interval over the usable looks (the bisection is the judge's cost)
         lower_own[usable], upper_own[usable] = stats.tango_interval(
