@@ -319,7 +319,12 @@ class Fleet:
     def log_lines_with(self, needles: tuple[str, ...]) -> dict[str, list[str]]:
         """replica name -> its server log's lines holding any of `needles`; a replica whose actor
         cannot answer (gone, or an earlier version adopted by a resumed run) is left out."""
-        refs = [(r, r.actor.log_lines_with.remote(needles)) for r in self.replicas]
+        refs = []
+        for r in self.replicas:
+            try:  # an actor of an earlier version has no such method: the handle raises at once
+                refs.append((r, r.actor.log_lines_with.remote(needles)))
+            except AttributeError:
+                self.progress(f"fleet: {r.name}: server log not read (its actor predates log_lines_with)")
         found: dict[str, list[str]] = {}
         for r, ref in refs:
             try:

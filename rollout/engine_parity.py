@@ -37,7 +37,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict
 
-from cluster.engine_spec import API_KEY_ENV, REDACTED, RESERVED_ARGS, EngineSpec, is_secret_flag, split_api_key
+from cluster.engine_spec import API_KEY_ENV, REDACTED, RESERVED_ARGS, CpuLimits, EngineSpec, is_secret_flag, split_api_key
 
 DEFAULT_UNDER_TEST = ("speculative_config",)
 ENGINE_FIELDS = (
@@ -50,7 +50,7 @@ ENGINE_FIELDS = (
     "enforce_eager",
     "trust_remote_code",
 )
-CPU_FIELDS = ("omp_threads", "cores", "kv_cache_gb", "preload_iomp")
+CPU_FIELDS = tuple(CpuLimits.model_fields)  # every limit (worker_process too: it changes vLLM's executor)
 EXTRA_ARGS = "extra_args"
 ENV = "env"
 TINY_MODEL = "tiny_model"
@@ -378,7 +378,7 @@ def parse_non_default_args(line: str) -> tuple[dict[str, Any] | None, str | None
     text = _ANSI.sub("", text).strip()
     try:
         value = ast.literal_eval(text)
-    except (ValueError, SyntaxError, MemoryError, RecursionError):
+    except (ValueError, TypeError, SyntaxError, MemoryError, RecursionError):  # TypeError: {[1]: 2}
         return None, text[:500]
     if not isinstance(value, dict):
         return None, text[:500]

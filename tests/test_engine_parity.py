@@ -68,6 +68,7 @@ def test_identical_engines_differ_in_nothing_and_speculation_alone_is_under_test
         ({"cpu": {"omp_threads": 2}}, "cpu.omp_threads", ("1", "2")),
         ({"cpu": {"kv_cache_gb": 4}}, "cpu.kv_cache_gb", ("1.0", "4.0")),
         ({"cpu": {"preload_iomp": False}}, "cpu.preload_iomp", ("true", "false")),
+        ({"cpu": {"worker_process": True}}, "cpu.worker_process", ("false", "true")),  # another executor
         ({"extra_args": ["--max-num-seqs", "8"]}, "extra_args:--max-num-seqs", ("unset", "8")),
         ({"env": {"OMP_PROC_BIND": "close"}}, "env:OMP_PROC_BIND", ("unset", REDACTED)),
     ],
@@ -358,3 +359,15 @@ def test_a_replica_reads_its_own_launch_s_lines_and_preflight_records_them_per_a
     server = ctx.result.arms["canary"]["servers"]["canary-0"]
     assert server["vllm_version"] == "0.32.0" and server["non_default_args"]["port"] == 53931
     assert server["non_default_args"]["speculative_config"] == K3 and server["unparsed"] is None
+
+
+def test_every_cpu_limit_can_be_declared_under_test():
+    data = local_cpu()
+    data["canary"]["engine"]["cpu"] = {**data["canary"]["engine"].get("cpu", {}), "worker_process": True}
+    data.setdefault("experiment", {})["under_test"] = ["speculative_config", "cpu.worker_process"]
+    assert parse_config(data).canary.engine.cpu.worker_process is True
+
+
+def test_a_log_line_that_is_no_plain_literal_is_kept_as_text_not_a_crash():
+    args, text = parse_non_default_args("INFO 12-02 01:00:00 [utils.py:1] non-default args: {[1]: 2}")
+    assert args is None and text == "{[1]: 2}"

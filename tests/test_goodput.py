@@ -220,6 +220,8 @@ def write_config(tmp_path: Path, gates: dict) -> Path:
         ({"goodput_max_decrease": 1.0}, "gates.goodput_max_decrease"),
         ({"goodput_max_decrease": -0.1}, "gates.goodput_max_decrease"),
         ({"enabled": ["goodput"]}, "gates.enabled"),
+        # named but never judged: it would silently drop out of the gates that must pass
+        ({"enabled": ["tpot_p50_improvement", "goodput_guard"]}, "gates.slo sets no bound"),
     ],
 )
 def test_a_bad_goodput_config_is_one_line_naming_the_field(tmp_path, gates, field):

@@ -174,6 +174,12 @@ class GatesConfig(pydantic.BaseModel, extra="forbid"):
         """The SLO when it sets at least one bound (the goodput gate exists), else None."""
         return self.slo if self.slo is not None and self.slo.bounds else None
 
+    @pydantic.model_validator(mode="after")
+    def _goodput_needs_an_slo(self) -> "GatesConfig":
+        if self.enabled and "goodput_guard" in self.enabled and self.goodput_slo is None:
+            raise ValueError("enabled names goodput_guard but gates.slo sets no bound: the gate would never be judged")
+        return self
+
     @pydantic.field_validator("enabled")
     @classmethod
     def _known_gate_names(cls, names: list[str] | None) -> list[str] | None:

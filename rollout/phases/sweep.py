@@ -101,7 +101,7 @@ class Sweep:
         done: list[LevelResult] = []
         while (level := next_level(done, policy)) is not None:
             name = f"level-{len(done) + 1:02d}"
-            got = self._load(ctx, f"{level:g}", level, out / f"{name}.jsonl", out / name)
+            got = self._load(ctx, f"{level:.12g}", level, out / f"{name}.jsonl", out / name)
             ctx.store.add_request_samples(ctx.run_id, "sweep", 1, got)
             records += got
             write_records(out / "records.jsonl", records)  # the HTML report reads one file, as for fixed levels
