@@ -52,6 +52,7 @@ def key_paths(value, prefix: str = "") -> set[str]:
 
 
 # experiment fields added since the runs were recorded, with their defaults: a run today writes them
+ADDED_CPU_FIELDS = {"worker_process": False}
 ADDED_EXPERIMENT_FIELDS = {"arm_users": False}
 # what preflight records since of each replica's server (rollout.engine_parity.EngineRun)
 ADDED_SERVER_FIELDS = {"vllm_version": None, "non_default_args": {}, "unparsed": None}
@@ -66,6 +67,10 @@ def recorded_document(run: str) -> dict:
         doc["experiment"] = {**doc["experiment"], **{k: v for k, v in ADDED_EXPERIMENT_FIELDS.items() if k not in doc["experiment"]}}
         if doc["experiment"].get("sweep") and "sweep_crossover" not in doc["experiment"]:
             doc["experiment"]["sweep_crossover"] = sweep_crossover_of(doc["experiment"]["sweep"])
+    for record in doc.get("arms", {}).values():  # engine fields added since, at their defaults
+        if "cpu" in record.get("engine", {}):
+            record["engine"]["cpu"] = {**record["engine"]["cpu"], **{
+                k: v for k, v in ADDED_CPU_FIELDS.items() if k not in record["engine"]["cpu"]}}
     if doc.get("timings", {}).get("fleet_start_s") is not None:  # a run whose fleet started: what it held
         doc.setdefault("usage", UsageSummary.held(gpus=0, replicas=2, held_s=1.0).document())
     if doc.get("preflight"):
