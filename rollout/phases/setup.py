@@ -17,8 +17,8 @@ from cluster.fleet import ArmSpec, Fleet
 from cluster.ray_cluster import connect, find_actor, kill_quietly
 from cluster.router import Router, RouterClient
 from cluster.router_limits import is_loopback
-from rollout.config import TWIN, ArmConfig
 from rollout import plan_command
+from rollout.config import TWIN, ArmConfig
 from rollout.redact import redact_engine
 from rollout.result import UsageSummary
 from rollout.run_context import InfrastructureError, Progress, RunContext
