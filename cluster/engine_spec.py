@@ -175,8 +175,10 @@ class CpuLimits(BaseModel):
     # executor) beside the API server and the engine core: three processes, each importing
     # vLLM (~8.5 s of CPU on a fast core). With VLLM_ENABLE_V1_MULTIPROCESSING=0 it keeps
     # the uniproc executor: the model runs inside the engine-core process. Measured on a
-    # 2-core AMD EPYC Zen 4 (tiny checkpoint, k=3, one replica alone): ready after 26 s
-    # instead of 38 s, and 128 greedy tokens in 1.55 s instead of 1.9 s (no worker IPC).
+    # 2-core AMD EPYC Zen 4, one replica alone (benchmarks/replica_start.sh): ready after
+    # 25-30 s instead of 37-38 s (91 s cold); 128 greedy tokens about as fast (1.4-1.8 s vs
+    # 1.5-2.0 s). Two replicas on two cores gain more: each arm's API server now shares its
+    # own arm's core, not the other arm's (demo TPOT p50 k=1 47.5 -> 32.2 ms).
     # vLLM binds OMP threads only in its multiprocessing executor, so in this mode the
     # replica binds its process tree to `cores` by CPU affinity (cpu_affinity()).
     worker_process: bool = Field(
