@@ -14,6 +14,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import Any
 from pathlib import Path
 
 import ray
@@ -303,14 +304,7 @@ class Fleet:
         A replica that cannot be scraped (server or actor gone) is left out; the
         caller treats missing data as missing, never as zero.
         """
-        refs = [(r, r.actor.metrics.remote()) for r in self.replicas]
-        snapshots: dict[str, MetricsSnapshot] = {}
-        for r, ref in refs:
-            try:
-                snapshots[r.name] = ray.get(ref, timeout=30)
-            except Exception as exc:
-                self.progress(f"fleet: {r.name}: /metrics not scraped: {type(exc).__name__}")
-        return snapshots
+        return self._ask_every_replica("metrics", (), "/metrics not scraped")
 
     def engine_warnings(self) -> dict[str, list[str]]:
         warnings = ray.get([r.actor.engine_warnings.remote() for r in self.replicas])
@@ -319,19 +313,25 @@ class Fleet:
     def log_lines_with(self, needles: tuple[str, ...]) -> dict[str, list[str]]:
         """replica name -> its server log's lines holding any of `needles`; a replica whose actor
         cannot answer (gone, or an earlier version adopted by a resumed run) is left out."""
+        return self._ask_every_replica("log_lines_with", (needles,), "server log not read")
+
+    def _ask_every_replica(self, method: str, args: tuple, failed: str) -> dict[str, Any]:
+        """replica name -> the answer of its actor's `method(*args)`, all asked at once; a replica
+        whose actor cannot answer (gone, or of an earlier version without `method`: the handle
+        raises at once) is left out, with a progress line `failed`: why."""
         refs = []
         for r in self.replicas:
-            try:  # an actor of an earlier version has no such method: the handle raises at once
-                refs.append((r, r.actor.log_lines_with.remote(needles)))
+            try:
+                refs.append((r, getattr(r.actor, method).remote(*args)))
             except AttributeError:
-                self.progress(f"fleet: {r.name}: server log not read (its actor predates log_lines_with)")
-        found: dict[str, list[str]] = {}
+                self.progress(f"fleet: {r.name}: {failed}: its actor has no {method}")
+        answers: dict[str, Any] = {}
         for r, ref in refs:
             try:
-                found[r.name] = ray.get(ref, timeout=30)
+                answers[r.name] = ray.get(ref, timeout=30)
             except Exception as exc:
-                self.progress(f"fleet: {r.name}: server log not read: {type(exc).__name__}")
-        return found
+                self.progress(f"fleet: {r.name}: {failed}: {type(exc).__name__}")
+        return answers
 
     # -- stop ------------------------------------------------------------------
     def teardown(self) -> None:

@@ -10,13 +10,13 @@ from __future__ import annotations
 
 import os
 import sys
-import time
 from pathlib import Path
 
 import pytest
 
 from cluster.engine_spec import CpuLimits, EngineSpec
 from cluster.replica import ReplicaState, VLLMReplicaServer
+from tests.test_replica_port import wait_state
 
 SERVER = """
 import http.server, subprocess, sys, time
@@ -44,23 +44,13 @@ def child_pid_file(monkeypatch, tmp_path) -> Path:
     return path
 
 
-def ready(replica: VLLMReplicaServer, timeout_s: float = 60):
-    deadline = time.monotonic() + timeout_s
-    while time.monotonic() < deadline:
-        st = replica.status()
-        if st.state != ReplicaState.STARTING:
-            return st
-        time.sleep(0.2)
-    raise AssertionError("the stand-in never started")
-
-
 def test_a_bound_replica_and_the_processes_it_starts_run_on_its_cores(child_pid_file, tmp_path):
     core = max(os.sched_getaffinity(0))
     engine = EngineSpec(model="m", device="cpu", cpu=CpuLimits(cores=str(core)))
     replica = VLLMReplicaServer("canary-0", "canary", engine, str(tmp_path))
     try:
         replica.launch()
-        st = ready(replica)
+        st = wait_state(replica)
         assert st.state == ReplicaState.READY, st
         assert allowed_cores(replica._proc.pid) == {core}
         assert allowed_cores(int(child_pid_file.read_text())) == {core}
@@ -72,7 +62,7 @@ def test_an_unbound_replica_keeps_every_core(child_pid_file, tmp_path):
     replica = VLLMReplicaServer("baseline-0", "baseline", EngineSpec(model="m", device="cpu"), str(tmp_path))
     try:
         replica.launch()
-        assert ready(replica).state == ReplicaState.READY
+        assert wait_state(replica).state == ReplicaState.READY
         assert allowed_cores(replica._proc.pid) == os.sched_getaffinity(0)
     finally:
         replica.stop(grace_s=2)
@@ -85,6 +75,6 @@ def test_cores_the_machine_does_not_have_fail_the_replica_with_the_cause(child_p
         st = replica.launch()
         assert st.state == ReplicaState.FAILED
         assert "could not bind the server to cores 4095" in st.error
-        assert replica._proc.poll() is not None or ready(replica).state == ReplicaState.FAILED
+        assert replica._proc.poll() is not None or wait_state(replica).state == ReplicaState.FAILED
     finally:
         replica.stop(grace_s=2)
