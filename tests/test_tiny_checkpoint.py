@@ -391,3 +391,20 @@ def test_the_probe_runs_in_seconds_and_reports_per_layer_times():
     assert figures.op_ms > 0 and figures.kernel in ("vllm-onednn", "torch")
     assert tiny_sizing.working_set_layers(1024, "bfloat16", llc=300 << 20) * 29 << 20 >= 400 << 20
     assert 2 <= tiny_sizing.working_set_layers(256, "float32", llc=None) <= 48
+
+
+def test_a_cpu_quota_deepens_a_shallow_choice_and_nothing_else():
+    from tinymodel.sizing import QUOTA_MIN_LAYERS, quota_depth_floor
+
+    k1, k3 = TpotLine(overhead_ms=30, per_layer_ms=2), TpotLine(overhead_ms=20, per_layer_ms=1)
+    shallow = choose_layers(k1, k3, band=(15.0, 40.0))
+    assert shallow.layers < QUOTA_MIN_LAYERS
+    # no quota, or a quota of a whole CPU or more: the band's choice stands
+    assert quota_depth_floor(shallow, k1, k3, None) == shallow
+    assert quota_depth_floor(shallow, k1, k3, 2.0) == shallow
+    deeper = quota_depth_floor(shallow, k1, k3, 0.5)
+    assert (deeper.layers, deeper.verdict) == (QUOTA_MIN_LAYERS, "quota_depth")
+    assert deeper.tpot_k1_ms == pytest.approx(k1.at(QUOTA_MIN_LAYERS)) and deeper.speedup_k3 > shallow.speedup_k3
+    # already deep enough: unchanged
+    deep = choose_layers(TpotLine(overhead_ms=5, per_layer_ms=1), TpotLine(overhead_ms=1, per_layer_ms=0.5))
+    assert quota_depth_floor(deep, k1, k3, 0.5) == deep

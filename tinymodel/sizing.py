@@ -444,7 +444,7 @@ class LayerChoice(BaseModel):
     speedup_k3: float
     in_band: bool
     fast_enough: bool = Field(..., description="k=3 at least min_speedup times faster than k=1")
-    verdict: Literal["ok", "thin_margin", "slow_speedup", "too_slow", "too_fast"]
+    verdict: Literal["ok", "thin_margin", "slow_speedup", "too_slow", "too_fast", "quota_depth"]
 
 
 def choose_layers(
@@ -497,7 +497,34 @@ def choose_layers(
     return rows[-1].model_copy(update={"verdict": "too_fast"})
 
 
-VERDICT_RANK = {"ok": 0, "thin_margin": 0, "slow_speedup": 0, "too_fast": 1, "too_slow": 2}
+VERDICT_RANK = {"ok": 0, "thin_margin": 0, "slow_speedup": 0, "quota_depth": 0, "too_fast": 1, "too_slow": 2}
+
+# Under a CPU quota the replicas, the router and Locust draw on one pool of CPU time: an arm
+# that needs less CPU per token leaves its share to the other arm, so the measured k=1/k=3
+# ratio is compressed toward 1, and more so the larger the fixed per-step work is against the
+# layers'. Measured on a 2-core EPYC at a quota of 0.5 CPU (benchmarks/slowed.sh 0.5, the demo's
+# 2 streams per replica, 16 tokens): 3 layers (the band's choice there) TPOT 51 vs 45 ms, ratio
+# 0.88, decided only at the plan's last look; 8 layers 118 vs 72 ms, ratio 0.61, objective
+# passed at look 3. A line through both gives k=3 >= 1.5x from 6 layers on.
+QUOTA_MIN_LAYERS = 8
+
+
+def quota_depth_floor(choice: LayerChoice, k1: TpotLine, k3: TpotLine, cpu_limit: float | None) -> LayerChoice:
+    """The choice, deepened to QUOTA_MIN_LAYERS when a CPU quota below one CPU binds the run (see above)."""
+    if cpu_limit is None or cpu_limit >= 1 or choice.layers >= QUOTA_MIN_LAYERS:
+        return choice
+    n = QUOTA_MIN_LAYERS
+    t1, t3 = k1.at(n), k3.at(n)
+    return choice.model_copy(
+        update={
+            "layers": n,
+            "tpot_k1_ms": round(t1, 2),
+            "tpot_k3_ms": round(t3, 2),
+            "speedup_k3": round(t1 / t3, 2) if t3 > 0 else math.inf,
+            "in_band": BAND_MS[0] <= t1 <= BAND_MS[1],
+            "verdict": "quota_depth",
+        }
+    )
 
 
 def search_sizes(prober: Callable[[int, str], ProbeFigures], dtype: str, widths: Iterable[int]) -> list[ProbeFigures]:
@@ -555,7 +582,9 @@ class TinySizing(BaseModel):
     probe: list[ProbeFigures] = Field(default_factory=list, description="the probes run, widest first")
     predicted_tpot_ms: dict[str, float] | None = Field(None, description="k1, k3: single stream, perfect drafts")
     predicted_speedup_k3: float | None = None
-    verdict: str | None = Field(None, description="ok, thin_margin, slow_speedup, too_slow, too_fast (see choose_layers)")
+    verdict: str | None = Field(
+        None, description="ok, thin_margin, slow_speedup, too_slow, too_fast (see choose_layers), quota_depth (quota_depth_floor)"
+    )
     target_tpot_ms: float = TARGET_TPOT_MS
     band_ms: tuple[float, float] = BAND_MS
     machine_key: str | None = None
@@ -641,6 +670,8 @@ def size_tiny_model(
     else:
         probes = search_sizes(prober, dtype, widths)
     figures, choice = choose_size(probes)
+    lines = predict_lines(figures)
+    choice = quota_depth_floor(choice, lines[1], lines[3], cpu_limit)
     spec = TinyCheckpointSpec.sized(choice.layers, figures.hidden_size)
     note = {
         "ok": "",
@@ -648,6 +679,7 @@ def size_tiny_model(
         "slow_speedup": f"; k=3 only {choice.speedup_k3}x faster (< {MIN_SPEEDUP_K3:g}x) at every depth in band",
         "too_slow": "; slower than the band even at the smallest size",
         "too_fast": "; faster than the band even at the largest depth",
+        "quota_depth": f"; deepened to {QUOTA_MIN_LAYERS} layers: a CPU quota shares one pool between the arms",
     }[choice.verdict]
     limit_note = f", CPU quota {cpu_limit:g}" if cpu_limit is not None and cpu_limit < 1 else ""
     reason = (
