@@ -99,7 +99,8 @@ def test_local_cpu_default_promotes_with_a_full_decision_record(tmp_path):
     assert exp["stopped_by"] in ("evidence", "information") and exp["duty_cycle"] >= 0.95, exp
     assert exp["requests_received"] == exp["records_stored"] > 0
     assert [look["look"] for look in exp["looks"]] == list(range(1, len(exp["looks"]) + 1))
-    assert all(n >= 40 for look in exp["looks"][:-1] for n in look["requests"].values())
+    per_look = yaml.safe_load((REPO / "configs" / "local-cpu.yaml").read_text())["experiment"]["requests_per_look"]
+    assert all(n >= per_look for look in exp["looks"][:-1] for n in look["requests"].values())
     # Every request record of the experiment and the sweep is in SQLite once, and equals the JSONL.
     db = sqlite3.connect(runs / "history.db")
     for phase in ("experiment", "sweep"):
