@@ -23,6 +23,7 @@ from cluster.placement import (
     default_placement_timeout_s,
 )
 from cluster.router_limits import RouterLimits
+from cluster.staging import STAGING_TIMEOUT_S
 from rollout import engine_parity
 from rollout.evals import EvalSpec
 from rollout.judge.config import GatesConfig, GuardConfig
@@ -332,6 +333,17 @@ class RolloutConfig(BaseModel):
         "engine.startup_timeout_s); at least placement_timeout_s + the longest engine.startup_timeout_s; "
         f"null: that sum + {FLEET_START_SLACK_S:g} s",
     )
+    model_cache: str | None = Field(
+        None,
+        description="stage each arm's hub model once per node into this directory before any replica starts "
+        "(one Ray task per node; a shared mount is downloaded once), then serve it offline (HF_HUB_OFFLINE=1); "
+        "a path on the nodes, absolute or from $VARS / ~ expanded there; HF_HOME / HF_TOKEN come from the job's "
+        "runtime environment; a local engine.model (the tiny checkpoint) is never staged. null: each server "
+        "downloads its model itself",
+    )
+    staging_timeout_s: float = Field(
+        STAGING_TIMEOUT_S, gt=0, description="how long weight staging (model_cache) may take on the slowest node"
+    )
     lease_s: float = Field(
         300,
         ge=10,
@@ -371,6 +383,15 @@ class RolloutConfig(BaseModel):
         if error:
             raise ValueError(error)
         return self
+
+    @field_validator("model_cache")
+    @classmethod
+    def _cache_is_a_node_path(cls, value: str | None) -> str | None:
+        # read on each node, from the worker's working directory (the job's temporary one): a relative
+        # path would download into what the job removes
+        if value is not None and not value.startswith(("/", "$", "~")):
+            raise ValueError(f"{value!r} is relative: give an absolute path on the nodes (or one from $VAR or ~)")
+        return value
 
     @model_validator(mode="after")
     def _timeouts_fit(self) -> "RolloutConfig":
