@@ -189,3 +189,49 @@ def test_replica_logs_are_copied_back_capped_and_redacted_and_a_lost_one_is_name
     assert not (back / "canary-0.log").exists()
     line = next(s for s in said if "canary-0" in s and "not copied back" in s)
     assert f"on node {lost.status.node_ip}" in line
+
+
+def plan_config(cache: str) -> "RolloutConfig":
+    from rollout.config import parse_config
+
+    engine = {"model": MODEL, "served_model_name": "tiny", "device": "gpu", "startup_timeout_s": 60,
+              "speculative_config": {"method": "mtp", "num_speculative_tokens": 1}}
+    k3 = {**engine, "speculative_config": {"method": "mtp", "num_speculative_tokens": 3}}
+    return parse_config({
+        "name": "staging-plan", "model_cache": cache, "accuracy": {"enabled": False},
+        "baseline": {"engine": engine, "cpus_per_replica": 1}, "canary": {"engine": k3, "cpus_per_replica": 1},
+    })
+
+
+def test_plan_says_per_node_whether_the_weights_are_cached(two_gpu_nodes, hub, cache):
+    from rollout import plan_command
+
+    cfg = plan_config(cache)
+    before = plan_command.make_plan(cfg, modules=("ray",))
+    replica_nodes = [n for n in before.nodes if n.weights]
+    assert sorted(n.node_id for n in replica_nodes) == sorted(node for node, _ in two_gpu_nodes)
+    assert all(n.weights == {MODEL: None} for n in replica_nodes)
+    assert sum("not cached on node" in note for note in before.notes) == 2 and before.ok  # a note, not a failure
+    stage_on_nodes({two_gpu_nodes[0][0]: [MODEL]}, cache, hub, progress=lambda _: None)
+    after = {n.node_id: n.weights[MODEL] for n in plan_command.make_plan(cfg, modules=("ray",)).nodes if n.weights}
+    staged, other = two_gpu_nodes[0][0], two_gpu_nodes[1][0]
+    assert after[staged]["files"] == 4 and after[staged]["path"].endswith(MODEL.replace("/", "--"))
+    assert after[other] is None
+    assert "weights example-org/tiny-snapshot: cached at" in plan_command.render(plan_command.make_plan(cfg, modules=("ray",)))
+
+
+def test_a_relative_model_cache_is_a_config_error_naming_the_field(tmp_path):
+    import yaml
+
+    from rollout.config import ConfigError, load_config
+
+    cfg = plan_config("/abs").model_dump(mode="json")
+    cfg["model_cache"] = "cache/hf"
+    path = tmp_path / "c.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    with pytest.raises(ConfigError) as bad:
+        load_config(path)
+    message = str(bad.value)
+    assert "model_cache" in message and "relative" in message and "\n" not in message
+    for fine in ("/mnt/nvme/hf", "$LOCAL_SSD/hf", "~/hf"):
+        assert plan_config(fine).model_cache == fine
