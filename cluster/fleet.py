@@ -7,6 +7,11 @@ GPUs on one node), so a cluster that cannot hold every replica fails at once
 with the missing resources named, instead of half-starting. Then every replica
 launches at the same time; the fleet polls them, prints progress, and if any
 fails it tears all of them down and raises with the failed replica's log tail.
+
+With `model_cache`, between placement and launch each arm's hub model is staged once on every
+node its replicas landed on (cluster.staging), and those replicas then serve the local copy
+offline. At teardown each replica's server log is copied back through its actor (it runs on the
+replica's node) into `logs_back_to`, capped and redacted, so it outlives a RayJob cluster.
 """
 
 from __future__ import annotations

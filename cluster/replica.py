@@ -3,7 +3,9 @@
 The actor picks a free port, starts the server in a process group of its own
 (logs to a file), answers status polls (starting / ready / failed, with the log
 tail), scrapes `/metrics`, collects engine warnings from the log, and stops the
-whole group gracefully (SIGTERM, then SIGKILL). A watchdog (`cluster.reaper`)
+whole group gracefully (SIGTERM, then SIGKILL), and hands its log over for copying back
+(`log_copy`). Before its launch it may be pointed at weights staged on its node
+(`use_staged_weights`: cluster.staging). A watchdog (`cluster.reaper`)
 kills the group if the actor dies without stopping it.
 
 `launch()` returns at once so a fleet can start every replica in parallel and
