@@ -394,6 +394,18 @@ class RolloutConfig(BaseModel):
         return value
 
     @model_validator(mode="after")
+    def _hub_token_from_the_job(self) -> "RolloutConfig":
+        # staging downloads in a Ray task with the job's runtime environment: a token in an engine's
+        # env would never reach it (and the engines start offline)
+        if self.model_cache:
+            for side, arm in (("baseline", self.baseline), ("canary", self.canary)):
+                for key in ("HF_TOKEN", "HUGGING_FACE_HUB_TOKEN", "HF_HOME"):
+                    if key in arm.engine.env:
+                        raise ValueError(f"{side}.engine.env.{key}: with model_cache the weights are staged with the "
+                                         f"job's runtime environment; set {key} there (--runtime-env-json env_vars)")
+        return self
+
+    @model_validator(mode="after")
     def _timeouts_fit(self) -> "RolloutConfig":
         # The fleet's clock covers placement and then each replica's own start; one shorter than
         # their sum gives up on a start still within its limits (MiMo-V2.5: 1800 s of engine start

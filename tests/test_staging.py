@@ -235,3 +235,15 @@ def test_a_relative_model_cache_is_a_config_error_naming_the_field(tmp_path):
     assert "model_cache" in message and "relative" in message and "\n" not in message
     for fine in ("/mnt/nvme/hf", "$LOCAL_SSD/hf", "~/hf"):
         assert plan_config(fine).model_cache == fine
+
+
+def test_a_hub_token_in_an_engines_env_with_model_cache_is_refused_naming_the_field():
+    from rollout.config import ConfigError, parse_config
+
+    cfg = plan_config("/abs").model_dump(mode="json")
+    for side in ("baseline", "canary"):  # both: the arms may not differ in env (engine parity)
+        cfg[side]["engine"]["env"] = {"HF_TOKEN": "hf_not_here"}
+    with pytest.raises(ConfigError) as bad:
+        parse_config(cfg)
+    assert "baseline.engine.env.HF_TOKEN" in str(bad.value) and "runtime-env" in str(bad.value)
+    assert "hf_not_here" not in str(bad.value)
