@@ -308,6 +308,13 @@ class EngineSpec(BaseModel):
         # arguments to the log, and a command line is visible to every user of the host
         return cmd + split_api_key(self.extra_args)[0]
 
+    def offline(self, path: str) -> "EngineSpec":
+        """This engine loading staged weights (cluster.staging): `--model` the node's local copy,
+        the hub never asked (HF_HUB_OFFLINE, TRANSFORMERS_OFFLINE), the served name unchanged.
+        Not for the record: decision.json keeps the hub id the config named."""
+        env = {**self.env, "HF_HUB_OFFLINE": "1", "TRANSFORMERS_OFFLINE": "1"}
+        return self.model_copy(update={"model": path, "env": env})
+
     def cpu_affinity(self) -> set[int] | None:
         """The cores the replica's process tree is bound to (CPU replicas without a worker
         process, with `cpu.cores` set), or None: vLLM binds (worker_process) or nothing does."""

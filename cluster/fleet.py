@@ -7,6 +7,11 @@ GPUs on one node), so a cluster that cannot hold every replica fails at once
 with the missing resources named, instead of half-starting. Then every replica
 launches at the same time; the fleet polls them, prints progress, and if any
 fails it tears all of them down and raises with the failed replica's log tail.
+
+With `model_cache`, between placement and launch each arm's hub model is staged once on every
+node its replicas landed on (cluster.staging), and those replicas then serve the local copy
+offline. At teardown each replica's server log is copied back through its actor (it runs on the
+replica's node) into `logs_back_to`, capped and redacted, so it outlives a RayJob cluster.
 """
 
 from __future__ import annotations
@@ -27,8 +32,12 @@ from cluster.metrics import MetricsSnapshot
 from cluster.placement import CPU_PLACEMENT_TIMEOUT_S, FLEET_START_SLACK_S, replica_bundle
 from cluster.ray_cluster import find_actor, kill_quietly
 from cluster.replica import ReplicaState, ReplicaStatus, VLLMReplica
+from cluster.staging import STAGING_TIMEOUT_S, Source, StagedWeights, StagingError, hub_source, is_local_model, stage_on_nodes
 
 Progress = Callable[[str], None]
+# a replica's server log copied back into the run directory at teardown: its first quarter and
+# its last bytes beyond this (a vLLM start logs ~100 KB; a server that logs every request, more)
+LOG_COPY_BYTES = 4 * 1024 * 1024
 
 
 class ArmSpec(BaseModel):
@@ -79,6 +88,17 @@ class Fleet:
     bind_host: str = "127.0.0.1"  # "0.0.0.0" when Locust or the router run on another node
     placement_timeout_s: float = CPU_PLACEMENT_TIMEOUT_S  # the run's config: 900 s when any arm is on GPU
     poll_s: float = 2.0
+    # hub models staged into this cache on each replica's node before any server starts, then
+    # served offline from there (cluster.staging); None: each server fetches its model itself
+    model_cache: str | None = None
+    weights_source: Source = hub_source
+    staging_timeout_s: float = STAGING_TIMEOUT_S
+    staged: list[StagedWeights] = field(default_factory=list)
+    # where teardown writes each replica's server log (<replica>.log), read through its actor on its
+    # node; redact_log: what of a log may be written (the run's secrets scrubbed)
+    logs_back_to: str | None = None
+    redact_log: Callable[[str], str] | None = None
+    log_copy_bytes: int = LOG_COPY_BYTES
     replicas: list[ReplicaHandle] = field(default_factory=list)
     cpu_cores: dict[str, str | None] = field(default_factory=dict)  # replica -> bound cores (plan_cpu_cores)
     _placement_group: object | None = None
@@ -190,6 +210,8 @@ class Fleet:
         started = time.monotonic()
         try:
             self.create_actors()
+            # staging has its own clock (staging_timeout_s): the fleet's covers placement and the engines
+            started += self.stage_weights()
             statuses = ray.get([r.actor.launch.remote() for r in self.replicas])
             for handle, st in zip(self.replicas, statuses):
                 handle.status = st
@@ -199,6 +221,29 @@ class Fleet:
             raise
         self.progress(f"fleet: all {total} replica(s) ready in {time.monotonic() - started:.0f} s")
         return self.urls()
+
+    def stage_weights(self) -> float:
+        """Stage every arm's hub model on the nodes its replicas landed on (one task per node), then
+        point those replicas at the local copies, offline; the seconds it took (0: nothing to stage)."""
+        models = {arm.name: arm.engine.model for arm in self.arms if not is_local_model(arm.engine.model)}
+        handles = [r for r in self.replicas if r.arm in models]
+        if not self.model_cache or not handles:
+            return 0.0
+        t0 = time.monotonic()
+        nodes = [node for node, _ in ray.get([r.actor.where.remote() for r in handles], timeout=120)]
+        jobs: dict[str, list[str]] = {}
+        for r, node in zip(handles, nodes):
+            wanted = jobs.setdefault(node, [])
+            if models[r.arm] not in wanted:
+                wanted.append(models[r.arm])
+        try:
+            staged = stage_on_nodes(jobs, self.model_cache, self.weights_source, self.progress,
+                                    timeout_s=self.staging_timeout_s)
+        except StagingError as exc:
+            raise FleetStartError(f"weights: {exc}") from None
+        self.staged = list(staged.values())
+        ray.get([r.actor.use_staged_weights.remote(staged[(node, models[r.arm])].path) for r, node in zip(handles, nodes)])
+        return time.monotonic() - t0
 
     def _wait_all_ready(self, started: float, timeout_s: float | None) -> None:
         last_report = 0.0
@@ -347,6 +392,7 @@ class Fleet:
                 ray.get(ref, timeout=max(1.0, deadline - time.monotonic()))
             except Exception as exc:  # an actor already dead: its reaper stops the server
                 self.progress(f"fleet: teardown: {r.name}: {type(exc).__name__}")
+        self.copy_logs_back()
         for r in self.replicas:
             kill_quietly(r.actor)
         if self._placement_group is not None:
@@ -355,6 +401,32 @@ class Fleet:
         if self.replicas:
             self.progress(f"fleet: stopped {len(self.replicas)} replica(s)")
         self.replicas = []
+
+    def copy_logs_back(self) -> None:
+        """Each replica's server log into logs_back_to/<replica>.log, read by its actor on its node (a
+        RayJob cluster takes the GPU nodes' disks with it), cut to log_copy_bytes, redacted; a log that
+        cannot be copied is named with its node and the cause, and the others are still copied."""
+        if not self.logs_back_to or not self.replicas:
+            return
+        target = Path(self.logs_back_to)
+        target.mkdir(parents=True, exist_ok=True)
+        refs = []
+        for r in self.replicas:
+            try:
+                refs.append((r, r.actor.log_copy.remote(self.log_copy_bytes)))
+            except AttributeError:  # an actor of an earlier version (a resumed run)
+                self.progress(f"fleet: teardown: replica {r.name}: log not copied back: its actor has no log_copy")
+        for r, ref in refs:
+            node = r.status.node_ip if r.status and r.status.node_ip else "?"
+            try:
+                data, _ = ray.get(ref, timeout=30)
+            except Exception as exc:  # the actor died: its log stays on its node
+                why = (str(exc).strip().splitlines() or [""])[-1][:200]
+                self.progress(f"fleet: teardown: the log of replica {r.name} on node {node} was not copied back: "
+                              f"{type(exc).__name__}: {why}")
+                continue
+            text = data.decode("utf-8", errors="replace")
+            (target / f"{r.name}.log").write_text(self.redact_log(text) if self.redact_log else text, encoding="utf-8")
 
     def __enter__(self) -> "Fleet":
         return self

@@ -8,11 +8,19 @@ Speculative decoding (vLLM v1 names):
   acceptance rate          = accepted_tokens / draft_tokens
   mean acceptance length   = 1 + accepted_tokens / drafts
   per-position rate[i]     = accepted_per_pos[i] / drafts
+
+KV cache (vLLM 0.32 v1 loggers): `vllm:kv_cache_usage_perc` (a gauge, 1.0 = full),
+`vllm:num_preemptions_total` (a counter), and `vllm:cache_config_info` (an info gauge whose
+labels carry num_gpu_blocks, block_size and kv_cache_size_tokens). k=3 and k=1 may differ in
+KV capacity (the drafts' KV) and preempt differently: `kv_stats` reduces the snapshots sampled
+during a phase (`MetricsSampler`) to an arm's peak and mean usage, its preemptions in the
+phase and its capacity.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+import threading
+from collections.abc import Callable, Iterable, Mapping
 from dataclasses import dataclass, field
 
 from prometheus_client.parser import text_string_to_metric_families
@@ -25,6 +33,9 @@ REQUESTS_RUNNING = "vllm:num_requests_running"
 REQUESTS_WAITING = "vllm:num_requests_waiting"
 GENERATION_TOKENS = "vllm:generation_tokens_total"
 PROMPT_TOKENS = "vllm:prompt_tokens_total"
+KV_USAGE = "vllm:kv_cache_usage_perc"
+PREEMPTIONS = "vllm:num_preemptions_total"
+CACHE_CONFIG = "vllm:cache_config_info"
 
 
 @dataclass(frozen=True)
@@ -93,6 +104,12 @@ class MetricsSnapshot:
     prompt_tokens: float = 0.0
     requests_running: float = 0.0
     requests_waiting: float = 0.0
+    kv_cache_usage: float | None = None  # mean over the server's engines now; None: not exported
+    preemptions: float = 0.0
+    # from cache_config_info, summed over engines; None where the label is absent or "None"
+    num_gpu_blocks: float | None = None
+    block_size: float | None = None
+    kv_capacity_tokens: float | None = None
 
     def delta(self, earlier: "MetricsSnapshot") -> "MetricsSnapshot":
         """Counters accumulated since `earlier`; gauges as of now.
@@ -118,6 +135,11 @@ class MetricsSnapshot:
             prompt_tokens=self.prompt_tokens - earlier.prompt_tokens,
             requests_running=self.requests_running,
             requests_waiting=self.requests_waiting,
+            kv_cache_usage=self.kv_cache_usage,
+            preemptions=self.preemptions - earlier.preemptions,
+            num_gpu_blocks=self.num_gpu_blocks,
+            block_size=self.block_size,
+            kv_capacity_tokens=self.kv_capacity_tokens,
         )
 
 
@@ -144,9 +166,18 @@ def parse_metrics(text: str) -> MetricsSnapshot:
     """Parse a vLLM `/metrics` page (summing over engines and label sets)."""
     totals: dict[str, float] = {}
     per_pos: dict[int, float] = {}
+    usage: list[float] = []
+    cache: dict[str, list[float]] = {"num_gpu_blocks": [], "block_size": [], "kv_cache_size_tokens": []}
     for family in text_string_to_metric_families(text):
         for sample in family.samples:
-            if sample.name == ACCEPTED_PER_POS:
+            if sample.name == KV_USAGE:
+                usage.append(sample.value)
+            elif sample.name == CACHE_CONFIG:
+                for label, values in cache.items():
+                    number = _number(sample.labels.get(label))
+                    if number is not None:
+                        values.append(number)
+            elif sample.name == ACCEPTED_PER_POS:
                 pos = int(sample.labels["position"])
                 per_pos[pos] = per_pos.get(pos, 0.0) + sample.value
             elif sample.name in (
@@ -157,6 +188,7 @@ def parse_metrics(text: str) -> MetricsSnapshot:
                 REQUESTS_WAITING,
                 GENERATION_TOKENS,
                 PROMPT_TOKENS,
+                PREEMPTIONS,
             ):
                 totals[sample.name] = totals.get(sample.name, 0.0) + sample.value
     positions = tuple(per_pos.get(i, 0.0) for i in range(max(per_pos) + 1)) if per_pos else ()
@@ -171,4 +203,118 @@ def parse_metrics(text: str) -> MetricsSnapshot:
         prompt_tokens=totals.get(PROMPT_TOKENS, 0.0),
         requests_running=totals.get(REQUESTS_RUNNING, 0.0),
         requests_waiting=totals.get(REQUESTS_WAITING, 0.0),
+        kv_cache_usage=sum(usage) / len(usage) if usage else None,
+        preemptions=totals.get(PREEMPTIONS, 0.0),
+        num_gpu_blocks=sum(cache["num_gpu_blocks"]) if cache["num_gpu_blocks"] else None,
+        block_size=max(cache["block_size"]) if cache["block_size"] else None,
+        # what vLLM reports (the hybrid/sliding-window layers make it differ from blocks x block size)
+        kv_capacity_tokens=sum(cache["kv_cache_size_tokens"]) if cache["kv_cache_size_tokens"] else None,
     )
+
+
+def _number(label: str | None) -> float | None:
+    try:
+        return float(label) if label is not None else None
+    except ValueError:  # "None": not set in this engine's config
+        return None
+
+
+@dataclass(frozen=True)
+class KvCacheStats:
+    """An arm's KV cache over a phase, from the /metrics snapshots sampled during it.
+
+    usage_peak / usage_mean: over every sample of every replica (1.0 = full); preemptions: the
+    arm's replicas' counter increase from their first to their last sample (None when a replica
+    restarted in between or was never scraped); capacity: per replica (the smallest of the arm's)."""
+
+    samples: int = 0
+    usage_peak: float | None = None
+    usage_mean: float | None = None
+    preemptions: float | None = None
+    capacity_tokens: float | None = None
+    num_gpu_blocks: float | None = None
+    block_size: float | None = None
+
+    def to_dict(self) -> dict:
+        return {
+            "samples": self.samples,
+            "usage_peak": self.usage_peak,
+            "usage_mean": self.usage_mean,
+            "preemptions": self.preemptions,
+            "capacity_tokens": self.capacity_tokens,
+            "num_gpu_blocks": self.num_gpu_blocks,
+            "block_size": self.block_size,
+        }
+
+
+def kv_stats(samples: Iterable[Mapping[str, MetricsSnapshot]], replicas: Iterable[str]) -> KvCacheStats:
+    """Reduce sampled scrapes (each: replica name -> snapshot; a replica may be missing from some)
+    to one arm's KvCacheStats over `replicas`. Pure."""
+    names = list(replicas)
+    seen: dict[str, list[MetricsSnapshot]] = {name: [] for name in names}
+    count = 0
+    for sample in samples:
+        present = [name for name in names if name in sample]
+        count += bool(present)
+        for name in present:
+            seen[name].append(sample[name])
+    usage = [s.kv_cache_usage for snaps in seen.values() for s in snaps if s.kv_cache_usage is not None]
+    preemptions: float | None = 0.0
+    for snaps in seen.values():
+        rise = snaps[-1].preemptions - snaps[0].preemptions if snaps else -1.0
+        if rise < 0:  # never scraped, or the counter went down: the server restarted
+            preemptions = None
+            break
+        preemptions += rise
+    def smallest(attr: str) -> float | None:
+        values = [getattr(s, attr) for snaps in seen.values() for s in snaps[:1] if getattr(s, attr) is not None]
+        return min(values) if values else None
+    return KvCacheStats(
+        samples=count,
+        usage_peak=max(usage) if usage else None,
+        usage_mean=sum(usage) / len(usage) if usage else None,
+        preemptions=preemptions,
+        capacity_tokens=smallest("kv_capacity_tokens"),
+        num_gpu_blocks=smallest("num_gpu_blocks"),
+        block_size=smallest("block_size"),
+    )
+
+
+class MetricsSampler:
+    """Scrapes every replica every `every_s` on a thread of its own while a phase runs, and keeps
+    what its `recording` wrapper sees of the phase's own scrapes: the samples a gauge's peak and
+    mean need (the looks alone are minutes apart). A failed scrape is skipped (missing, never zero)."""
+
+    def __init__(self, scrape: Callable[[], dict[str, MetricsSnapshot]], every_s: float = 5.0) -> None:
+        self._scrape = scrape
+        self.every_s = every_s
+        self.samples: list[dict[str, MetricsSnapshot]] = []
+        self._lock = threading.Lock()
+        self._stop = threading.Event()
+        self._thread: threading.Thread | None = None
+
+    def recording(self) -> dict[str, MetricsSnapshot]:
+        """The scrape, its answer kept as a sample (pass it where the phase scrapes)."""
+        snapshot = self._scrape()
+        with self._lock:
+            self.samples.append(dict(snapshot))
+        return snapshot
+
+    def _run(self) -> None:
+        while not self._stop.wait(self.every_s):
+            try:
+                self.recording()
+            except Exception:  # the fleet or Ray going away mid-phase: the phase itself reports it
+                continue
+
+    def start(self) -> "MetricsSampler":
+        self._thread = threading.Thread(target=self._run, name="metrics-sampler", daemon=True)
+        self._thread.start()
+        return self
+
+    def stop(self) -> list[dict[str, MetricsSnapshot]]:
+        self._stop.set()
+        if self._thread is not None:
+            self._thread.join(timeout=60)
+        with self._lock:
+            return list(self.samples)

@@ -3,7 +3,9 @@
 The actor picks a free port, starts the server in a process group of its own
 (logs to a file), answers status polls (starting / ready / failed, with the log
 tail), scrapes `/metrics`, collects engine warnings from the log, and stops the
-whole group gracefully (SIGTERM, then SIGKILL). A watchdog (`cluster.reaper`)
+whole group gracefully (SIGTERM, then SIGKILL), and hands its log over for copying back
+(`log_copy`). Before its launch it may be pointed at weights staged on its node
+(`use_staged_weights`: cluster.staging). A watchdog (`cluster.reaper`)
 kills the group if the actor dies without stopping it.
 
 `launch()` returns at once so a fleet can start every replica in parallel and
@@ -139,6 +141,16 @@ class VLLMReplicaServer:
             self.spec.command(port or 0, host=self.host),
             self.spec.environment(gpu_ids=gpu_ids, iomp_path=iomp_library()),
         )
+
+    def where(self) -> tuple[str, str]:
+        """(node id, node IP) of this actor: where its server runs and its log lies."""
+        return ray.get_runtime_context().get_node_id(), ray.util.get_node_ip_address()
+
+    def use_staged_weights(self, path: str) -> None:
+        """Load the weights staged on this node at `path`, offline (cluster.staging); before launch()."""
+        if self._proc is not None:
+            raise RuntimeError(f"replica {self.name}: weights changed after its server started")
+        self.spec = self.spec.offline(path)
 
     def launch(self) -> ReplicaStatus:
         if self._proc is not None:
@@ -304,6 +316,22 @@ class VLLMReplicaServer:
 
     def log_tail(self, lines: int = 40) -> list[str]:
         return read_tail(self.log_path, lines)
+
+    def log_copy(self, max_bytes: int) -> tuple[bytes, int]:
+        """(the server log, cut to its first and last bytes when over max_bytes; its full size),
+        read here, on the replica's node: the fleet writes it into the run directory at teardown."""
+        try:
+            size = os.path.getsize(self.log_path)
+            with open(self.log_path, "rb") as f:
+                if size <= max_bytes:
+                    return f.read(), size
+                head = f.read(max_bytes // 4)  # the start: what ran, with which args
+                f.seek(size - (max_bytes - len(head)))
+                tail = f.read()  # the end: the failure, the last requests
+        except FileNotFoundError:
+            return b"", 0
+        cut = f"\n[mtp-canary: {size - len(head) - len(tail)} bytes of this log cut here (log_copy cap)]\n".encode()
+        return head + cut + tail, size
 
     def log_lines_with(self, needles: tuple[str, ...], max_chars: int = 20_000) -> list[str]:
         """Lines of this launch's server log holding any of `needles` (what the server says it

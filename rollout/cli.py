@@ -10,6 +10,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import json
+import os
 import shutil
 import signal
 import sys
@@ -54,6 +55,30 @@ def _refuse_run_id(run_id: str | None, what: str, command: str) -> bool:
     return error is not None
 
 
+def runs_dir_error(runs_dir: str, environ=os.environ) -> str | None:
+    """Why a run may not write into `runs_dir`, in one line naming --runs-dir, or None.
+
+    Inside a Ray job (RAY_JOB_ID) the working directory is the job's temporary copy of
+    --working-dir, removed with the job (a KubeRay RayJob removes the whole cluster): a relative
+    runs dir would lose decision.json, the reports and history.db. A URL is refused anywhere: the
+    history is SQLite and the files are written in place, so a remote store is given as the
+    absolute path of its mount (a PVC, NFS, gcsfuse/s3fs)."""
+    if "://" in runs_dir:
+        return (f"--runs-dir {runs_dir!r} is a URL: runs are written to a filesystem (SQLite history); "
+                "mount the remote store and give the mount's absolute path")
+    if environ.get("RAY_JOB_ID") and not Path(runs_dir).is_absolute():
+        return (f"--runs-dir {runs_dir!r} is relative inside a Ray job (RAY_JOB_ID is set): the job's working "
+                "directory is temporary and goes with the job; give an absolute path on persistent or shared storage")
+    return None
+
+
+def _refuse_runs_dir(runs_dir: str, command: str) -> bool:
+    error = runs_dir_error(runs_dir)
+    if error:
+        print(f"mtp-canary {command}: {error}", file=sys.stderr)
+    return error is not None
+
+
 def run_config(args: argparse.Namespace) -> RolloutConfig:
     """The config `run` would start: the file validated, then the command line's overrides
     validated with it. Raises rollout.config.ConfigError (one line); starts and writes nothing."""
@@ -82,7 +107,7 @@ def run_config(args: argparse.Namespace) -> RolloutConfig:
 
 
 def _cmd_run(args: argparse.Namespace) -> int:
-    if _refuse_run_id(args.run_id, "--run-id", ""):
+    if _refuse_run_id(args.run_id, "--run-id", "") or _refuse_runs_dir(args.runs_dir, "run"):
         return EXIT_USAGE
     from rollout.config import ConfigError
 
@@ -157,7 +182,7 @@ def _drive(controller, copies: dict[str, Path] | None = None) -> int:
 
 
 def _cmd_resume(args: argparse.Namespace) -> int:
-    if _refuse_run_id(args.run_id, "RUN_ID", "resume"):
+    if _refuse_run_id(args.run_id, "RUN_ID", "resume") or _refuse_runs_dir(args.runs_dir, "resume"):
         return EXIT_USAGE
     found = _find_run(args.runs_dir, args.run_id, "resume")
     if found is None:

@@ -23,6 +23,7 @@ from cluster.placement import (
     default_placement_timeout_s,
 )
 from cluster.router_limits import RouterLimits
+from cluster.staging import STAGING_TIMEOUT_S
 from rollout import engine_parity
 from rollout.evals import EvalSpec
 from rollout.judge.config import GatesConfig, GuardConfig
@@ -332,6 +333,17 @@ class RolloutConfig(BaseModel):
         "engine.startup_timeout_s); at least placement_timeout_s + the longest engine.startup_timeout_s; "
         f"null: that sum + {FLEET_START_SLACK_S:g} s",
     )
+    model_cache: str | None = Field(
+        None,
+        description="stage each arm's hub model once per node into this directory before any replica starts "
+        "(one Ray task per node; a shared mount is downloaded once), then serve it offline (HF_HUB_OFFLINE=1); "
+        "a path on the nodes, absolute or from $VARS / ~ expanded there; HF_HOME / HF_TOKEN come from the job's "
+        "runtime environment; a local engine.model (the tiny checkpoint) is never staged. null: each server "
+        "downloads its model itself",
+    )
+    staging_timeout_s: float = Field(
+        STAGING_TIMEOUT_S, gt=0, description="how long weight staging (model_cache) may take on the slowest node"
+    )
     lease_s: float = Field(
         300,
         ge=10,
@@ -370,6 +382,27 @@ class RolloutConfig(BaseModel):
         error = engine_parity.parity_error({"canary": differences}, self.experiment.under_test)
         if error:
             raise ValueError(error)
+        return self
+
+    @field_validator("model_cache")
+    @classmethod
+    def _cache_is_a_node_path(cls, value: str | None) -> str | None:
+        # read on each node, from the worker's working directory (the job's temporary one): a relative
+        # path would download into what the job removes
+        if value is not None and not value.startswith(("/", "$", "~")):
+            raise ValueError(f"{value!r} is relative: give an absolute path on the nodes (or one from $VAR or ~)")
+        return value
+
+    @model_validator(mode="after")
+    def _hub_token_from_the_job(self) -> "RolloutConfig":
+        # staging downloads in a Ray task with the job's runtime environment: a token in an engine's
+        # env would never reach it (and the engines start offline)
+        if self.model_cache:
+            for side, arm in (("baseline", self.baseline), ("canary", self.canary)):
+                for key in ("HF_TOKEN", "HUGGING_FACE_HUB_TOKEN", "HF_HOME"):
+                    if key in arm.engine.env:
+                        raise ValueError(f"{side}.engine.env.{key}: with model_cache the weights are staged with the "
+                                         f"job's runtime environment; set {key} there (--runtime-env-json env_vars)")
         return self
 
     @model_validator(mode="after")

@@ -6,7 +6,9 @@ for a moment (every replica's bundle: GPUs and CPUs), reads which node holds eac
 which GPU ids a task in it gets, and removes it at once. Then one tiny task pinned to each
 target node (NodeAffinitySchedulingStrategy, soft=False) imports the modules a run needs
 there and reports their versions; a node missing one, or with another Ray than the driver,
-fails the plan naming node and cause. It prints the timeouts the fleet will use and the
+fails the plan naming node and cause. With `model_cache`, it says per replica node whether each
+hub model is cached there already (else the run's staging downloads it while the GPUs are
+held). It prints the timeouts the fleet will use and the
 GPU-hours the run may hold.
 
 Exit 0: every check passed; 1: a check failed (one line per failure on stderr, naming the
@@ -48,6 +50,9 @@ class NodeCheck:
     versions: dict[str, str] = field(default_factory=dict)
     missing: dict[str, str] = field(default_factory=dict)  # module -> why it did not import
     problems: list[str] = field(default_factory=list)
+    # model_cache: hub model -> {"path", "files", "bytes"} when a complete copy is cached on this node,
+    # None when staging would download it (only replica nodes, only with model_cache)
+    weights: dict[str, dict | None] = field(default_factory=dict)
 
 
 @dataclass
@@ -290,6 +295,29 @@ def node_environment_failures(modules: Sequence[str] | None = None) -> list[str]
             for c in check_nodes(targets, modules or RUN_MODULES) for problem in c.problems]
 
 
+def weights_cached(cfg, nodes: list[NodeCheck]) -> list[str]:
+    """Fill in each replica node's `weights` (model_cache); a note per node that would download."""
+    from cluster.staging import hub_models, probe_cached
+
+    models = hub_models(arm.engine.model for _, arm in _arms(cfg))
+    replica_nodes = [n for n in nodes if any(role not in ("driver", "locust") for role in n.roles) and not n.problems]
+    if not cfg.model_cache or not models or not replica_nodes:
+        return []
+    try:
+        found = probe_cached([n.node_id for n in replica_nodes], models, cfg.model_cache)
+    except Exception as exc:  # a node that cannot run the probe: the import check names it already
+        return [f"weights: not checked ({type(exc).__name__}: {exc})"[:300]]
+    notes = []
+    for node in replica_nodes:
+        node.weights = found.get(node.node_id, {})
+        missing = [m for m, copy in node.weights.items() if copy is None]
+        if missing:
+            notes.append(f"weights: {', '.join(missing)} not cached on node {node.node_ip} ({node.node_id[:12]}): the run "
+                         f"downloads it into {cfg.model_cache} while its GPUs are held (staging_timeout_s "
+                         f"{cfg.staging_timeout_s:g} s)")
+    return notes
+
+
 def make_plan(cfg, modules: Sequence[str] = RUN_MODULES, placement_wait_s: float = PLACEMENT_PROBE_S) -> Plan:
     replicas = plan_replicas(cfg)
     failures: list[str] = []
@@ -301,6 +329,7 @@ def make_plan(cfg, modules: Sequence[str] = RUN_MODULES, placement_wait_s: float
     for check in nodes:
         for problem in check.problems:
             failures.append(f"node {check.node_ip} ({check.node_id[:12]}, {', '.join(check.roles)}): {problem}")
+    notes += weights_cached(cfg, nodes)
     times = timeouts(cfg)
     if os.environ.get("RAY_JOB_ID"):
         grace = times["job_stop_wait_s"]
@@ -324,6 +353,9 @@ def render(plan: Plan) -> str:
         state = "ok" if not n.problems else "FAILED: " + "; ".join(n.problems)
         versions = ", ".join(f"{m} {v}" for m, v in sorted(n.versions.items()))
         lines.append(f"  {n.node_ip} ({n.node_id[:12]}, {', '.join(n.roles)}): {state} [{versions}]")
+        for model, copy in n.weights.items():
+            lines.append(f"    weights {model}: " + ("not cached (staging downloads it)" if copy is None else
+                         f"cached at {copy['path']} ({copy['files']} files, {copy['bytes'] / 1e9:.2f} GB)"))
     t = plan.timeouts
     lines.append(f"timeouts: placement {t['placement_timeout_s']:g} s + engine "
                  + ", ".join(f"{a} {s:g} s" for a, s in t["engine_startup_timeout_s"].items())

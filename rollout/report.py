@@ -59,10 +59,32 @@ def _arms(doc: dict[str, Any]) -> list[str]:
         lines += ["", f"**Arms share CPU cores**: {prepare['core_sharing']}; latencies include their contention."]
     elif any((prepare.get("cpu_cores") or {}).values()):
         lines += ["", "CPU cores per replica: " + ", ".join(f"{n} -> {c}" for n, c in prepare["cpu_cores"].items())]
+    lines += _kv_cache(doc)
     usage = doc.get("usage")
     if usage:
         lines += ["", f"Held: {usage['replicas']} replica(s), {usage['gpus']} GPU(s), for {usage['held_s'] / 60:.1f} min "
                       f"(fleet start to decision): {usage['gpu_hours']:g} GPU-hours, {usage['replica_hours']:g} replica-hours"]
+    return lines
+
+
+def _pct(value: float | None) -> str:
+    return "n/a" if value is None else f"{100 * value:.1f}%"
+
+
+def _kv_cache(doc: dict[str, Any]) -> list[str]:
+    """Per arm, the KV cache during the experiment (arms.<arm>.kv); nothing for a run without one."""
+    kv = {arm: info["kv"] for arm, info in doc["arms"].items() if info.get("kv")}
+    if not kv:
+        return []
+    lines = ["", "KV cache during the experiment (from each replica's /metrics):", "",
+             "| arm | usage peak | usage mean | preemptions | capacity per replica (tokens) | GPU blocks x block size | samples |",
+             "|---|---|---|---|---|---|---|"]
+    for arm, k in kv.items():
+        blocks = f"{k['num_gpu_blocks']:g} x {k['block_size']:g}" if k["num_gpu_blocks"] and k["block_size"] else "n/a"
+        preempted = "n/a" if k["preemptions"] is None else f"{k['preemptions']:g}"
+        capacity = "n/a" if k["capacity_tokens"] is None else f"{k['capacity_tokens']:g}"
+        lines.append(f"| {arm} | {_pct(k['usage_peak'])} | {_pct(k['usage_mean'])} | {preempted} | {capacity} | "
+                     f"{blocks} | {k['samples']} |")
     return lines
 
 

@@ -40,6 +40,7 @@ class PrepareSummary(Summary):
     tiny_model: dict[str, Any] | None = None  # rollout's TinySizing, as decision.json shows it
     cpu_cores: dict[str, str | None] | None = None  # replica -> VLLM_CPU_OMP_THREADS_BIND
     core_sharing: str | None = None
+    weights: list[dict[str, Any]] | None = None  # cluster.staging.StagedWeights per node and model (model_cache)
 
     def document(self) -> dict[str, Any]:
         # keys appear as they are learnt (the sizing first, the cores once the fleet is up)

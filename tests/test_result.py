@@ -17,6 +17,7 @@ from pathlib import Path
 import pytest
 import yaml
 
+from cluster.metrics import KvCacheStats
 from rollout.config import parse_config
 from rollout.crossover import LevelResult, crossing
 from rollout.judge.config import GatesConfig
@@ -56,6 +57,8 @@ ADDED_CPU_FIELDS = {"worker_process": False}
 ADDED_EXPERIMENT_FIELDS = {"arm_users": False}
 # what preflight records since of each replica's server (rollout.engine_parity.EngineRun)
 ADDED_SERVER_FIELDS = {"vllm_version": None, "non_default_args": {}, "unparsed": None}
+# what the experiment records since of each arm's KV cache (arms.<arm>.kv)
+ADDED_KV_FIELDS = KvCacheStats().to_dict()
 
 
 def recorded_document(run: str) -> dict:
@@ -73,6 +76,9 @@ def recorded_document(run: str) -> dict:
                 k: v for k, v in ADDED_CPU_FIELDS.items() if k not in record["engine"]["cpu"]}}
     if doc.get("timings", {}).get("fleet_start_s") is not None:  # a run whose fleet started: what it held
         doc.setdefault("usage", UsageSummary.held(gpus=0, replicas=2, held_s=1.0).document())
+    if doc.get("experiment"):  # the KV cache each arm had during the experiment (cluster.metrics.kv_stats)
+        for record in doc["arms"].values():
+            record.setdefault("kv", dict(ADDED_KV_FIELDS))
     if doc.get("preflight"):
         for arm, record in doc["arms"].items():
             record.setdefault("servers", {f"{arm}-{i}": dict(ADDED_SERVER_FIELDS) for i in range(record["replicas"])})

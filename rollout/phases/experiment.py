@@ -7,12 +7,16 @@ from __future__ import annotations
 import numpy as np
 
 from cluster.arms import BASELINE, CANARY
+from cluster.metrics import MetricsSampler, kv_stats
 from loadtests.health import percentile_ms
 from loadtests.records import RequestRecord
 from rollout.judge.goodput import goodput_by_arm
 from rollout.phases.experiment_loop import LOAD_MARGIN_S, LOAD_STOP_TIMEOUT_S, ExperimentContext, ExperimentPhase
 from rollout.result import ExperimentSummary, SpecDecodeSummary
 from rollout.run_context import RunContext
+
+
+KV_SAMPLE_EVERY_S = 5.0
 
 
 class Experiment:
@@ -49,7 +53,20 @@ class Experiment:
         )
         if exp.web_ui:
             ctx.say(f"experiment: Locust web UI at http://{spec.web_host}:{spec.web_port} until the last look")
-        outcome = ExperimentPhase(
+        # KV usage is a gauge: its peak and mean need samples between the looks (cluster.metrics)
+        sampler = MetricsSampler(ctx.fleet.metrics, every_s=KV_SAMPLE_EVERY_S).start()
+        try:
+            outcome = self._run_phase(ctx, exp, spec, sampler)
+        finally:
+            samples = sampler.stop()
+        for arm in ctx.result.arms:
+            replicas = [name for name, a in ctx.replica_arms().items() if a == arm]
+            ctx.result.arms[arm]["kv"] = kv_stats(samples, replicas).to_dict()
+        self._summarize(ctx, outcome)
+
+    @staticmethod
+    def _run_phase(ctx: RunContext, exp, spec, sampler: MetricsSampler):
+        return ExperimentPhase(
             ExperimentContext(
                 run_id=ctx.run_id,
                 config=exp,
@@ -57,7 +74,7 @@ class Experiment:
                 store=ctx.store,
                 swarm_spec=spec,
                 placement=exp.worker_placement,
-                scrape=ctx.fleet.metrics,
+                scrape=sampler.recording,
                 replica_arms=ctx.replica_arms(),
                 router=ctx.router,
                 speculative_canary=ctx.speculative_canary,
@@ -67,6 +84,9 @@ class Experiment:
                 replicas_alive=ctx.replicas_alive,
             )
         ).run()
+
+    @staticmethod
+    def _summarize(ctx: RunContext, outcome) -> None:
         ctx.experiment_capped = outcome.capped_reason
         records = outcome.records
         slo = ctx.cfg.gates.goodput_slo

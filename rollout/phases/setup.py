@@ -4,6 +4,7 @@ resumed run, adopted from the attempt that died."""
 
 from __future__ import annotations
 
+import os
 import secrets
 import time
 from pathlib import Path
@@ -19,7 +20,7 @@ from cluster.router import Router, RouterClient
 from cluster.router_limits import is_loopback
 from rollout import plan_command
 from rollout.config import TWIN, ArmConfig
-from rollout.redact import redact_engine
+from rollout.redact import known_secrets, redact_engine, scrub
 from rollout.result import UsageSummary
 from rollout.run_context import InfrastructureError, Progress, RunContext
 from tinymodel.checkpoint import TinyCheckpointSpec, checkpoint_dir, ensure_checkpoint
@@ -86,6 +87,17 @@ class Prepare:
         result.timings["prepare_s"] = time.monotonic() - t0
 
 
+# the hub token a job's runtime environment may hold: scrubbed from copied logs like a config's secrets
+HUB_TOKEN_ENV = ("HF_TOKEN", "HUGGING_FACE_HUB_TOKEN")
+
+
+def log_redactor(cfg):
+    """What of a replica's server log may be written into the run directory: the config's secrets
+    (rollout.redact.known_secrets) and the hub token of this environment scrubbed."""
+    found = known_secrets(cfg.model_dump(mode="json")) | {os.environ[k] for k in HUB_TOKEN_ENV if os.environ.get(k)}
+    return lambda text: scrub(text, found)
+
+
 def router_token(cfg) -> str | None:
     """The bearer token the run's router requires: from cfg.router.auth_token_env when set; else,
     beyond loopback, one made for this run (handed to its Locust and eval clients, never written
@@ -125,6 +137,10 @@ class StartFleet:
             detached=True,
             lease_s=cfg.lease_s,
             placement_timeout_s=cfg.placement_timeout_s,
+            model_cache=cfg.model_cache,
+            staging_timeout_s=cfg.staging_timeout_s,
+            logs_back_to=str(ctx.run_dir / "replica-logs"),
+            redact_log=log_redactor(cfg),
         )
         ctx.leases.start()  # before anything starts: a fleet start can take many minutes
         # held from here (placement reserves the GPUs) to the decision: decision.json `usage`
@@ -144,6 +160,8 @@ class StartFleet:
             urls = ctx.fleet.start(timeout_s=cfg.startup_timeout_s)
             ctx.event("fleet", "ready", f"{sum(len(u) for u in urls.values())} replicas")
         self._report_cores(ctx)
+        if ctx.fleet.staged:
+            ctx.result.prepare.weights = [w.model_dump(mode="json") for w in ctx.fleet.staged]
         ctx.result.timings["fleet_start_s"] = time.monotonic() - t0
         if previous_router is not None and self._reattach_router(ctx, previous_router, urls):
             return
