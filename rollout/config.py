@@ -297,6 +297,22 @@ class RayConfig(BaseModel):
     )
 
 
+class MetricsConfig(BaseModel):
+    """The controller's live Prometheus endpoint (rollout.live_metrics): off unless a port is given."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    port: int | None = Field(
+        None, ge=0, le=65535,
+        description="serve live Prometheus metrics at http://host:port/metrics while the run goes; 0: a free port, "
+        "printed in the run's log; null: off (a run opens no port it was not asked for)",
+    )
+    host: str = Field("127.0.0.1", min_length=1, description="interface the metrics endpoint binds; '0.0.0.0' for a "
+                      "Prometheus on another host")
+    linger_s: float = Field(0, ge=0, le=3600, description="keep serving the decided run this long before the "
+                            "controller exits, so a scrape sees the decision (metrics.prom keeps it for good)")
+
+
 class RolloutConfig(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
@@ -319,6 +335,7 @@ class RolloutConfig(BaseModel):
         "auth_token_env: beyond loopback a bearer token is required (from that variable, else one per run)",
     )
     keep_fleet: bool = Field(False, description="leave the replicas running after the decision")
+    metrics: MetricsConfig = Field(default_factory=MetricsConfig, description="live Prometheus metrics of the run")
     placement_timeout_s: float | None = Field(
         None,
         gt=0,

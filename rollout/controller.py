@@ -41,6 +41,7 @@ from loadtests.swarm import SwarmError
 from rollout.atomic_file import write_atomically
 from rollout.config import RolloutConfig
 from rollout.judge.verdicts import Decision
+from rollout.live_metrics import ROUTER_TIMEOUT_S, LiveMetrics
 from rollout.phases.accuracy import Accuracy
 from rollout.phases.decide import Decide, Finish, RestoreJudgement
 from rollout.phases.experiment import Experiment
@@ -113,7 +114,9 @@ class Controller:
             ctx.say(f"run {ctx.run_id}: {ctx.result.error}; nothing done")
             return ctx.result
         completed = False
+        live = None
         try:
+            live = self._live_metrics()
             for phase in PHASES:
                 if phase.enabled(ctx):
                     phase.run(ctx)
@@ -132,8 +135,30 @@ class Controller:
         finally:
             ctx.leases.stop()
             self._teardown()
-            self._record_end(completed)
+            try:
+                self._record_end(completed)
+            finally:
+                if live is not None:  # the decision served (for metrics.linger_s), then the port closed
+                    live.finish(decision_document(ctx.result))
+                    live.stop()
         return ctx.result
+
+    def _live_metrics(self) -> LiveMetrics | None:
+        """The run's Prometheus endpoint when the config asks for one (metrics.port); its URL in the log."""
+        ctx, cfg = self.ctx, self.ctx.cfg.metrics
+        if cfg.port is None:
+            return None
+
+        def router_state():
+            return ctx.router.state(ROUTER_TIMEOUT_S) if ctx.router is not None else None
+
+        try:
+            live = LiveMetrics(ctx.store.path, ctx.run_id, router_state, host=cfg.host, port=cfg.port,
+                               linger_s=cfg.linger_s)
+        except OSError as exc:
+            raise InfrastructureError(str(exc)) from None
+        ctx.say(f"metrics: live Prometheus metrics at {live.url}")
+        return live
 
     def _fail(self, error: str) -> None:
         """End the run as an infrastructure error: no verdict, so the stable config serves."""

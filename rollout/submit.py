@@ -11,18 +11,35 @@ Ray 2.60's token authentication: the token is read as Ray reads it (RAY_AUTH_TOK
 RAY_AUTH_TOKEN_PATH names, or ~/.ray/auth_token) and sent as the Authorization header, so
 the client needs no RAY_AUTH_MODE=token; a cluster that refuses the request is one line
 naming where the token goes (`ray get-auth-token` on the head prints it).
+
+decision.json comes back through the job's log. The driver runs on the cluster and writes
+runs/<id>/ there; the Job SDK has no file download, and the head's disk is not the
+submitter's. So the run (told by MTP_CANARY_DECISION_IN_LOG, which submit puts in the job's
+runtime env) prints the decision document as one line before its final line:
+`mtp-canary: decision_json=<base64 of zlib of the JSON>` (zlib's checksum catches a line cut
+or mangled on the way; bounded at DECISION_LINE_MAX characters; decision.json is already
+redacted, so the log holds no secret the file did not). The log is what Ray keeps for every
+job on the head and serves through the same authenticated API as the status, so it needs no
+shared filesystem, no Ray client port and no second connection. `submit` writes the document
+into --fetch-dir (default ./runs/<run_id>/) with junit.xml and metrics.prom rebuilt from it
+by the same writers the run uses, and copies to --decision-out / --junit. A run that says it
+decided (exit 0, 3, 4) but whose document is missing or unreadable is exit 1, never 0.
 """
 
 from __future__ import annotations
 
 import argparse
 import asyncio
+import base64
+import json
 import os
 import re
 import shlex
 import signal
 import sys
 import time
+import zlib
+import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TextIO
@@ -33,6 +50,14 @@ FINAL_LINE = re.compile(r"^mtp-canary: exit_code=(\d+) decision=(\S+)(?: run_dir
 # Ray's working_dir upload is capped at 500 MiB; none of these is needed to run (.gitignore is honoured too)
 UPLOAD_EXCLUDES = [".venv", "runs", ".cache", ".git", "__pycache__", ".hypothesis", ".pytest_cache", "*.egg-info"]
 DEFAULT_ADDRESS = "http://127.0.0.1:8265"
+DECISION_IN_LOG_ENV = "MTP_CANARY_DECISION_IN_LOG"
+DECISION_PREFIX = "mtp-canary: decision_json="
+DECISION_OMITTED = "mtp-canary: decision_json_omitted="
+DECISION_LINE_MAX = 4 * 1024 * 1024  # characters of the line: far above a real decision.json (~20 kB -> ~8 kB)
+DECIDED_CODES = (0, 3, 4)  # a run that exits with these wrote a decision a pipeline reads
+# Ray's supervisor SIGKILLs the driver this long after `ray job stop`'s SIGTERM (Ray's default:
+# 3 s); the run's teardown waits up to 60 s for its replicas (README: `ray job stop`)
+JOB_STOP_WAIT_S = "90"
 AGENT_WAIT_S = 60.0
 TOKEN_HELP = ("the cluster uses token authentication: set RAY_AUTH_TOKEN, or RAY_AUTH_TOKEN_PATH to a file holding "
               "it, or write it to ~/.ray/auth_token (`ray get-auth-token` on the head prints it)")
@@ -52,6 +77,8 @@ class Outcome:
     decision: str | None = None
     run_dir: str | None = None
     reason: str = ""
+    decision_doc: dict | None = None  # decision.json as the job's log carried it
+    decision_problem: str = ""  # why there is none
 
 
 def ray_token() -> str | None:
@@ -76,6 +103,38 @@ def final_line(log: str) -> tuple[int, str, str | None] | None:
         if match:
             found = (int(match.group(1)), match.group(2), match.group(3))
     return found
+
+
+def decision_log_line(run_dir: Path) -> str:
+    """The line that carries run_dir/decision.json in the job's log (or says why it does not)."""
+    try:
+        raw = (Path(run_dir) / "decision.json").read_bytes()
+    except OSError as exc:
+        return f"{DECISION_OMITTED}cannot read {Path(run_dir) / 'decision.json'}: {exc.strerror or exc}"
+    line = DECISION_PREFIX + base64.b64encode(zlib.compress(raw, 9)).decode("ascii")
+    if len(line) > DECISION_LINE_MAX:
+        return f"{DECISION_OMITTED}decision.json is {len(raw)} bytes, over the log line's bound ({DECISION_LINE_MAX})"
+    return line
+
+
+def decision_from_log(log: str) -> tuple[dict | None, str]:
+    """(decision document, "") from the last decision line of a job's log, or (None, why not)."""
+    found = None
+    for line in log.splitlines():
+        line = line.strip()
+        if line.startswith((DECISION_PREFIX, DECISION_OMITTED)):
+            found = line
+    if found is None:
+        return None, "the job's log has no decision.json line (did the run reach its end?)"
+    if found.startswith(DECISION_OMITTED):
+        return None, f"the run did not send decision.json: {found[len(DECISION_OMITTED):]}"
+    try:
+        doc = json.loads(zlib.decompress(base64.b64decode(found[len(DECISION_PREFIX):], validate=True)))
+    except (ValueError, zlib.error) as exc:  # binascii.Error and JSONDecodeError are ValueErrors
+        return None, f"the decision.json line in the job's log is unreadable ({type(exc).__name__}: {exc})"
+    if not isinstance(doc, dict) or "decision" not in doc or "run_id" not in doc:
+        return None, "the decision.json line in the job's log holds no decision document"
+    return doc, ""
 
 
 def outcome_of(job_id: str, status: str, driver_exit_code: int | None, message: str, log: str) -> Outcome:
@@ -119,12 +178,22 @@ def _connect_error(address: str, exc: Exception, token: str | None) -> str:
     return f"cannot reach the Ray job server at {address}: {text[:300]}"
 
 
+def _shown(line: str) -> str:
+    """A log line as the person watching sees it: the decision line (kilobytes of base64) as a note."""
+    if line.startswith(DECISION_PREFIX):
+        return f"mtp-canary submit: decision.json in the log ({len(line) - len(DECISION_PREFIX)} characters)\n"
+    return line
+
+
 async def _tail(client, job_id: str, out: TextIO) -> str:
-    seen = []
+    seen, partial = [], ""
     async for chunk in client.tail_job_logs(job_id):
-        out.write(chunk)
-        out.flush()
         seen.append(chunk)
+        *lines, partial = (partial + chunk).split("\n")
+        out.write("".join(_shown(line + "\n") for line in lines))
+        out.flush()
+    out.write(_shown(partial))
+    out.flush()
     return "".join(seen)
 
 
@@ -142,7 +211,9 @@ def follow(client, job_id: str, out: TextIO, poll_s: float = 1.0) -> Outcome:
     if final_line(log) is None:
         log = client.get_job_logs(job_id)  # a stream cut short may have missed the last line
     status = info.status.value if isinstance(info.status, JobStatus) else str(info.status)
-    return outcome_of(job_id, status, getattr(info, "driver_exit_code", None), info.message or "", log)
+    outcome = outcome_of(job_id, status, getattr(info, "driver_exit_code", None), info.message or "", log)
+    doc, why = decision_from_log(log)
+    return dataclasses.replace(outcome, decision_doc=doc, decision_problem=why)
 
 
 def submit_entrypoint(address: str, entrypoint: list[str], working_dir: Path | None, out: TextIO = sys.stdout,
@@ -150,7 +221,9 @@ def submit_entrypoint(address: str, entrypoint: list[str], working_dir: Path | N
     """Submit `entrypoint` as a Ray Job (working_dir uploaded, caches and runs left out); the
     Outcome once it ends, or its job id with wait=False. Raises SubmitError (one line)."""
     client = client_for(address)
-    runtime_env = {"working_dir": str(working_dir), "excludes": UPLOAD_EXCLUDES} if working_dir else None
+    runtime_env = {"env_vars": {DECISION_IN_LOG_ENV: "1", "RAY_JOB_STOP_WAIT_TIME_S": JOB_STOP_WAIT_S}}
+    if working_dir:
+        runtime_env.update(working_dir=str(working_dir), excludes=UPLOAD_EXCLUDES)
     deadline = time.monotonic() + AGENT_WAIT_S
     while True:
         try:
@@ -193,7 +266,59 @@ def build_parser() -> argparse.ArgumentParser:
                         "here, so give a path the head can write (default: ./runs)")
     parser.add_argument("--working-dir", default=".", help="uploaded as the job's working directory (default: .)")
     parser.add_argument("--no-wait", action="store_true", help="print the job id and exit 0 once submitted")
+    parser.add_argument("--fetch-dir", default=None, metavar="DIR",
+                        help="where the run's decision.json, junit.xml and metrics.prom land here "
+                        "(default: ./runs/<run_id>/)")
+    parser.add_argument("--decision-out", default=None, metavar="FILE", help="also write the run's decision.json to FILE")
+    parser.add_argument("--junit", default=None, metavar="FILE", help="also write the run's junit.xml to FILE (for CI)")
     return parser
+
+
+def _refused_output(args: argparse.Namespace) -> str | None:
+    """Why --decision-out / --junit cannot be written (checked before anything is submitted), or None."""
+    for flag, value in (("--decision-out", args.decision_out), ("--junit", args.junit)):
+        if value:
+            path = Path(value)
+            if path.is_dir() or not path.parent.is_dir():
+                why = "is a directory" if path.is_dir() else f"is in {str(path.parent)!r}, which is not a directory"
+                return f"{flag} {value!r} {why}"
+    return None
+
+
+def fetch_decision(outcome: Outcome, fetch_dir: Path | None, decision_out: Path | None, junit: Path | None) -> int:
+    """Write the job's decision.json (with junit.xml and metrics.prom rebuilt from it) on this
+    machine; the exit code: the run's, or 1 when a decided run's document did not come back."""
+    from rollout.atomic_file import write_atomically
+    from rollout.pipeline_artifacts import write_pipeline_artifacts
+
+    doc = outcome.decision_doc
+    if doc is None:
+        if outcome.exit_code in DECIDED_CODES:
+            print(f"mtp-canary submit: no decision.json from job {outcome.job_id}: {outcome.decision_problem}; exit 1",
+                  file=sys.stderr)
+            return EXIT_INFRASTRUCTURE
+        return outcome.exit_code  # an error or a bad config: no decision was expected
+    run_id = str(doc["run_id"])
+    if outcome.run_dir and Path(outcome.run_dir).name != run_id:
+        print(f"mtp-canary submit: the log's decision.json is run {run_id!r}, the run's last line names "
+              f"{outcome.run_dir!r}; exit 1", file=sys.stderr)
+        return EXIT_INFRASTRUCTURE
+    target = fetch_dir if fetch_dir is not None else Path("runs") / run_id
+    text = json.dumps(doc, indent=2) + "\n"
+    try:
+        target.mkdir(parents=True, exist_ok=True)
+        write_atomically(target / "decision.json", text)
+        artifacts = write_pipeline_artifacts(doc, target)
+        if decision_out is not None:
+            write_atomically(decision_out, text)
+        if junit is not None:
+            write_atomically(junit, artifacts["junit"].read_text())
+    except OSError as exc:
+        print(f"mtp-canary submit: cannot write the fetched decision: {exc}; exit 1", file=sys.stderr)
+        return EXIT_INFRASTRUCTURE
+    print(f"mtp-canary submit: decision.json of run {run_id} ({doc.get('decision') or 'error'}) -> "
+          f"{target / 'decision.json'}", file=sys.stderr)
+    return outcome.exit_code
 
 
 def main(argv: list[str] | None = None, out: TextIO = sys.stdout) -> int:
@@ -211,6 +336,10 @@ def main(argv: list[str] | None = None, out: TextIO = sys.stdout) -> int:
         print(f"mtp-canary submit: CONFIG {args.config} is outside --working-dir {working_dir}: "
               "the job sees only the uploaded directory", file=sys.stderr)
         return EXIT_USAGE
+    refused = _refused_output(args)
+    if refused:
+        print(f"mtp-canary submit: {refused}", file=sys.stderr)
+        return EXIT_USAGE
     entrypoint = run_entrypoint(config, working_dir, Path(args.runs_dir))
     # a cancelled pipeline step sends SIGTERM: the same path as Ctrl-C (the job is stopped)
     signal.signal(signal.SIGTERM, _raise_keyboard_interrupt)
@@ -225,7 +354,10 @@ def main(argv: list[str] | None = None, out: TextIO = sys.stdout) -> int:
     if isinstance(result, str):
         print(result, file=out)
         return 0
-    return report(result)
+    report(result)
+    optional = {key: Path(value) if value else None for key, value in
+                (("fetch_dir", args.fetch_dir), ("decision_out", args.decision_out), ("junit", args.junit))}
+    return fetch_decision(result, **optional)
 
 
 def report(outcome: Outcome) -> int:

@@ -230,3 +230,101 @@ def test_submitted_job_exit_codes_come_back(ray_head, tmp_path):
 def test_no_wait_returns_the_job_id(ray_head):
     job_id = submit_entrypoint(ray_head, ["python", "-c", "print('hi')"], None, wait=False)
     assert isinstance(job_id, str) and job_id
+
+
+# -- decision.json back to the submitter ------------------------------------------------
+RECORDED = REPO / "tests/data/recorded_runs"
+
+
+def test_decision_travels_in_one_log_line_and_a_mangled_one_is_refused(tmp_path):
+    import json
+
+    line = submit.decision_log_line(RECORDED / "bad")
+    assert line.startswith(submit.DECISION_PREFIX) and "\n" not in line
+    doc, why = submit.decision_from_log(f"noise\n{line}\nmtp-canary: exit_code=3 decision=rollback run_dir=/r/bad\n")
+    assert why == "" and doc == json.loads((RECORDED / "bad" / "decision.json").read_text())
+    # a line cut short (a truncated log) or with one character changed: zlib's checksum or base64 refuses it
+    for broken in (line[:-40], line[:-10] + ("A" if line[-10] != "A" else "B") + line[-9:]):
+        doc, why = submit.decision_from_log(broken)
+        assert doc is None and "unreadable" in why
+    assert submit.decision_from_log("no line at all")[0] is None
+    missing = submit.decision_log_line(tmp_path / "none")
+    doc, why = submit.decision_from_log(missing)
+    assert doc is None and "did not send decision.json" in why and "cannot read" in why
+
+
+def test_the_streamed_log_shows_a_note_not_the_base64():
+    line = submit.decision_log_line(RECORDED / "bad")
+    assert submit._shown(line + "\n").startswith("mtp-canary submit: decision.json in the log (")
+    assert submit._shown("[12:00:00] look 3\n") == "[12:00:00] look 3\n"
+
+
+def _outcome(code: int, doc: dict | None, run_dir: str | None = None, problem: str = "") -> Outcome:
+    return Outcome("job-1", "FAILED" if code else "SUCCEEDED", code, run_dir=run_dir, decision_doc=doc,
+                   decision_problem=problem)
+
+
+def test_a_decided_run_without_its_decision_is_exit_1_never_0(tmp_path, capsys):
+    for code in submit.DECIDED_CODES:
+        assert submit.fetch_decision(_outcome(code, None, problem="no line"), tmp_path, None, None) == 1
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 3 and all("no decision.json from job job-1: no line" in e for e in err)
+    # an infrastructure error or a config the cluster refused: no decision expected, the run's code stands
+    assert submit.fetch_decision(_outcome(2, None), tmp_path, None, None) == 2
+    assert submit.fetch_decision(_outcome(1, None), tmp_path, None, None) == 1
+    assert not any(tmp_path.iterdir())
+
+
+def test_the_fetched_decision_is_written_with_junit_and_metrics(tmp_path, monkeypatch):
+    import json
+    import xml.etree.ElementTree as ET
+
+    doc = json.loads((RECORDED / "bad" / "decision.json").read_text())
+    monkeypatch.chdir(tmp_path)
+    junit, out = tmp_path / "ci-junit.xml", tmp_path / "ci-decision.json"
+    assert submit.fetch_decision(_outcome(3, doc, run_dir="/head/runs/bad"), None, out, junit) == 3
+    fetched = tmp_path / "runs" / "bad"  # the default: ./runs/<run_id>/
+    assert json.loads((fetched / "decision.json").read_text()) == doc == json.loads(out.read_text())
+    failures = ET.parse(junit).getroot().iter("failure")
+    failed = {g["name"] for g in doc["gates"] if g["verdict"] == "fail"}
+    assert len(list(failures)) == len(failed) + 1  # one per failed gate, and the decision case
+    assert (fetched / "junit.xml").read_text() == junit.read_text()
+    assert "mtp_canary_decision" in (fetched / "metrics.prom").read_text()
+    # a document of another run than the one the last line names is refused
+    assert submit.fetch_decision(_outcome(3, doc, run_dir="/head/runs/other"), tmp_path / "x", None, None) == 1
+
+
+def test_an_output_in_a_missing_directory_is_exit_2_before_submitting(tmp_path, capsys):
+    code = submit.main(["configs/examples/local-progressive.yaml", "--working-dir", str(REPO),
+                        "--address", f"http://127.0.0.1:{_free_port()}", "--junit", str(tmp_path / "no" / "j.xml")])
+    assert code == 2 and "--junit" in capsys.readouterr().err
+
+
+# the run's own end (cli._drive, the hook `run` takes) inside a real job: the environment submit
+# gives the job makes it print decision.json into the log; the recorded run stands in for a controller
+DRIVE_RECORDED = """
+import sys
+from pathlib import Path
+from types import SimpleNamespace
+from rollout import cli
+from rollout.result import Decision
+run_dir = Path('tests/data/recorded_runs/bad').resolve()
+result = SimpleNamespace(decision=Decision.ROLLBACK, error=None, exit_code=3, run_dir=run_dir)
+sys.exit(cli._drive(SimpleNamespace(run=lambda: result)))
+"""
+
+
+def test_a_real_job_brings_its_decision_back(ray_head, tmp_path):
+    import json
+
+    out = io.StringIO()
+    done = submit_entrypoint(ray_head, ["python", "-c", DRIVE_RECORDED], REPO, out=out)
+    assert (done.status, done.exit_code, done.decision) == ("FAILED", 3, "rollback"), out.getvalue()[-3000:]
+    assert done.decision_doc == json.loads((RECORDED / "bad" / "decision.json").read_text()), done.decision_problem
+    assert submit.DECISION_PREFIX not in out.getvalue() and "decision.json in the log" in out.getvalue()
+    assert submit.fetch_decision(done, tmp_path / "fetched", None, None) == 3
+    assert json.loads((tmp_path / "fetched" / "decision.json").read_text())["decision"] == "rollback"
+    # the job's environment: the stop grace the teardown needs (README: `ray job stop`)
+    env = submit_entrypoint(ray_head, ["python", "-c", "import os; print('grace', os.environ['RAY_JOB_STOP_WAIT_TIME_S'])"],
+                            None, out=(seen := io.StringIO()))
+    assert env.exit_code == 0 and f"grace {submit.JOB_STOP_WAIT_S}" in seen.getvalue()
