@@ -45,7 +45,7 @@ from loadtests.records import RequestRecord
 from rollout.judge.acceptance import judge_acceptance
 from rollout.judge.config import GatesConfig
 from rollout.judge.goodput import goodput_samples, judge_goodput
-from rollout.judge.latency import LatencySamples, judge_latency, latency_samples_from_records
+from rollout.judge.latency import LatencySamples, judge_latency, latency_samples_by_arm, latency_samples_from_records
 from rollout.judge.sample_ratio import judge_sample_ratio
 from rollout.judge.names import GOODPUT_NAME, TWIN_ARM
 from rollout.judge.noise_floor import NoiseFloor, apply_noise_floor, judge_noise_floor
@@ -210,12 +210,12 @@ def judge_look_with_floor(
 ) -> tuple[list[GateResult], NoiseFloor | None]:
     """`judge_look`'s gates and, with a twin baseline, the look's A/A noise floor (None without a twin)."""
     look = len(fractions)
-    baseline = latency_samples(records, looks_of, BASELINE)
-    canary = latency_samples(records, looks_of, CANARY)
+    samples = latency_samples_by_arm(records, looks_of, plan.arms)
+    baseline, canary = samples[BASELINE], samples[CANARY]
     latency = judge_latency(baseline, canary, cfg, look=look, max_looks=plan.planned_looks, information=list(fractions))
     floor = None
     if plan.twin:
-        twin = latency_samples(records, looks_of, TWIN_ARM)
+        twin = samples[TWIN_ARM]
         floor = judge_noise_floor(baseline, twin, cfg, look=look, max_looks=plan.planned_looks, information=list(fractions))
         latency = apply_noise_floor(latency, floor)
     acceptance = judge_acceptance(canary_spec, cfg, look=look, max_looks=plan.planned_looks, information=list(fractions))

@@ -33,6 +33,7 @@ import hashlib
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
+from functools import lru_cache
 
 import numpy as np
 
@@ -56,6 +57,7 @@ from rollout.judge.verdicts import GateResult, Verdict, is_enabled
 __all__ = [
     "LatencySamples",
     "latency_samples_from_records",
+    "latency_samples_by_arm",
     "judge_latency",
     "cumulative_bounds",
     "sample_design_effect",
@@ -110,14 +112,26 @@ def latency_samples_from_records(records: Sequence[RequestRecord], looks_of: Seq
     (``error_window``), so errors enter the quantiles in their own block.
     Records are expected in completion order within each look.
     """
+    return latency_samples_by_arm(records, looks_of, (arm,))[arm]
+
+
+def latency_samples_by_arm(
+    records: Sequence[RequestRecord], looks_of: Sequence[int], arms: Sequence[str]
+) -> dict[str, LatencySamples]:
+    """`latency_samples_from_records` of every arm in ``arms``, in one pass over the records
+    (every look reads all records so far)."""
     if len(records) != len(looks_of):
         raise ValueError(f"one look per record needed: {len(looks_of)} for {len(records)} records")
-    ttft, tpot, e2e, window, failed = [], [], [], [], []
-    n_total = 0
-    for r, w in zip(records, looks_of):  # one pass: every look reads all records so far
-        if r.cancelled or _record_arm(r) != arm:
+    columns: dict[str, tuple[list, list, list, list, list]] = {arm: ([], [], [], [], []) for arm in arms}
+    n_total = dict.fromkeys(arms, 0)
+    for r, w in zip(records, looks_of):
+        if r.cancelled:
             continue
-        n_total += 1
+        mine = columns.get(_record_arm(r))
+        if mine is None:
+            continue
+        ttft, tpot, e2e, window, failed = mine
+        n_total[_record_arm(r)] += 1
         if not r.ok:
             failed.append(w)
             continue
@@ -127,15 +141,18 @@ def latency_samples_from_records(records: Sequence[RequestRecord], looks_of: Seq
             tpot.append(r_tpot)
             e2e.append(r.e2e_s)
             window.append(w)
-    return LatencySamples(
-        ttft_s=np.array(ttft, dtype=float),
-        tpot_s=np.array(tpot, dtype=float),
-        e2e_s=np.array(e2e, dtype=float),
-        n_errors=len(failed),
-        n_total=n_total,
-        window=np.array(window, dtype=int),
-        error_window=np.array(failed, dtype=int),
-    )
+    return {
+        arm: LatencySamples(
+            ttft_s=np.array(ttft, dtype=float),
+            tpot_s=np.array(tpot, dtype=float),
+            e2e_s=np.array(e2e, dtype=float),
+            n_errors=len(failed),
+            n_total=n_total[arm],
+            window=np.array(window, dtype=int),
+            error_window=np.array(failed, dtype=int),
+        )
+        for arm, (ttft, tpot, e2e, window, failed) in columns.items()
+    }
 
 
 # ---------------------------------------------------------------------------
@@ -425,6 +442,23 @@ def _point_values(b_now, c_now, q: float) -> tuple[float | None, float | None, f
     return ms(point_b), ms(point_c), float(log_estimate), tie_widened
 
 
+@lru_cache(maxsize=8192)
+def _look_levels(
+    alphas: tuple[float, ...], look: int, planned: int, spending: str, information: tuple[float, ...] | None
+) -> tuple[float, ...]:
+    """The one-sided level of each alpha's critical value at ``look`` (`looks.z`, `_level_of`), remembered:
+    every look re-derives the levels of all earlier looks."""
+    cfg = _Spending(spending)
+    return tuple(_level_of(z(alpha, look, planned, cfg, information)) for alpha in alphas)  # type: ignore[arg-type]
+
+
+@dataclass(frozen=True)
+class _Spending:
+    """What `looks.z` reads of the gates config: the spending function."""
+
+    spending: str
+
+
 @dataclass(frozen=True)
 class _OneLook:
     """One look's own bounds of a quantile ratio (log scale), before the intersection over looks."""
@@ -521,8 +555,9 @@ def _quantile_ratio_bounds(
     b_now = c_now = None
     for i, lk in enumerate(looks):
         upto = lk if (use_windows and lk < boundary_look) else None
-        pass_level = _level_of(z(cfg.alpha, lk, planned, cfg, information))
-        levels = tuple(_level_of(z(level, lk, planned, cfg, information)) for level in fail_levels)
+        prefix = None if information is None else tuple(information[:lk])
+        pass_level, *rest = _look_levels((cfg.alpha, *fail_levels), lk, planned, cfg.spending, prefix)
+        levels = tuple(rest)
         if upto is None:  # the current look: its arms kept for the point values, its bounds remembered for the next
             b_now, c_now = b_series.up_to(None, q), c_series.up_to(None, q)
             one = _one_look_bounds(b_now, c_now, q, pass_level, levels, cfg, label)
