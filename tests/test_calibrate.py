@@ -353,3 +353,22 @@ def test_goodput_aa_rows_appear_with_an_slo_and_not_without(small_calibration):
     assert [row["scenario"] for row in result["goodput_aa"]] == list(LATENCY_SCENARIOS)
     assert all(0.0 <= row["false_rollback_rate"] <= 1.0 and row["trials"] == 1 for row in result["goodput_aa"])
     assert "family of its own" in format_table({**result, "wall_s": 1.0})
+
+
+def test_the_calibration_page_shows_every_table_with_its_run(small_calibration, tmp_path, capsys):
+    """benchmarks/calibration_table.py renders docs/calibration.md from `calibrate --json`: every table, the
+    command, trials, seed, commit and machine; a file that is not a calibration is one line and exit 2."""
+    from benchmarks import calibration_table
+
+    path = tmp_path / "calibrate.json"
+    path.write_text(json.dumps({**small_calibration, "wall_s": 12.5, "workers": 1}))
+    assert calibration_table.main([str(path), "--commit", "abc123", "--machine", "test CPU"]) == 0
+    page = capsys.readouterr().out
+    for heading in ("## Latency scenarios", "## Pass at the limit", "## Power", "## The whole decision", "## Noise floor"):
+        assert heading in page
+    assert f"--trials {TRIALS} --seed 11 --workers 1 --json" in page and "`abc123`" in page and "test CPU" in page
+    assert "| arm_level_0.10 |" in page and "| aa_placement_0.8 |" in page
+    (tmp_path / "other.json").write_text("{}")
+    assert calibration_table.main([str(tmp_path / "other.json")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "not a calibrate --json output" in err and "\n" not in err
