@@ -274,7 +274,6 @@ def simulate_records(
         for i in np.flatnonzero(done <= enough):
             rows.append((done[i], arm, i, sent[i], ttft[i], e2e[arm][i], bool(ok[i])))
     rows.sort()
-    base = dict(template.__dict__)
     records = []
     for done, arm, i, sent, ttft, e2e_s, ok in rows:
         fields = dict(
@@ -285,9 +284,7 @@ def simulate_records(
             fields.update(ttft_s=float(ttft), output_tokens=tokens, chunks=tokens, status=200, error=None)
         else:
             fields.update(ttft_s=None, output_tokens=None, chunks=0, status=500, error="simulated server error")
-        # model_construct over the template's values: what model_copy(update=...) makes, without its per-record
-        # deep-copy machinery (the fields are plain values; the simulation writes valid ones)
-        records.append(RequestRecord.model_construct(**{**base, **fields}))
+        records.append(template.model_copy(update=fields))
     return records
 
 
