@@ -180,7 +180,8 @@ def _stored_plan(doc: dict[str, Any], default: LookPlan) -> LookPlan:
     if not exp.get("requests_per_look") or not exp.get("requests_per_arm_planned"):
         return default
     return LookPlan(int(exp["requests_per_look"]), int(exp["requests_per_arm_planned"]), default.min_interval_s,
-                    default.min_looks, math.inf, bool(exp.get("arm_users", False)))
+                    default.min_looks, math.inf, bool(exp.get("arm_users", False)),
+                    twin=exp.get("noise_floor") is not None)  # a twin run stores its A/A noise floor
 
 
 def load_input(arg: str, run_config: Any | None) -> JudgeInput:
@@ -202,7 +203,7 @@ def load_input(arg: str, run_config: Any | None) -> JudgeInput:
     notes: list[str] = []
     default_plan = LookPlan.of(ExperimentConfig())
     if run_config is not None:
-        gates, plan = run_config.gates, LookPlan.of(run_config.experiment)
+        gates, plan = run_config.gates, LookPlan.of(run_config.experiment, twin=run_config.twin_baseline)
         speculative = run_config.canary.engine.num_speculative_tokens > 0
     elif doc is not None:
         try:

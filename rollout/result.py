@@ -18,6 +18,7 @@ from pydantic import BaseModel, ConfigDict
 from rollout.config import RolloutConfig
 from rollout.crossover import Crossing, LevelResult
 from rollout.judge.goodput import ArmGoodput
+from rollout.judge.noise_floor import NoiseFloor
 from rollout.judge.verdicts import Decision, GateResult
 from rollout.redact import known_secrets, redact_document
 
@@ -120,9 +121,11 @@ class ExperimentSummary(Summary):
     sweep_crossover: SweepCrossover | None = None  # beside the sweep's rows (a list): absent when no sweep ran
     # per arm, the judged requests meeting gates.slo (rollout.judge.goodput); absent when no SLO is set
     goodput: dict[str, ArmGoodput] | None = None
+    # the last look's A/A TPOT p50 ratio twin / baseline (rollout.judge.noise_floor); absent without a twin baseline
+    noise_floor: NoiseFloor | None = None
 
     def document(self) -> dict[str, Any]:
-        absent = {name for name in ("sweep", "sweep_crossover", "goodput") if getattr(self, name) is None}
+        absent = {name for name in ("sweep", "sweep_crossover", "goodput", "noise_floor") if getattr(self, name) is None}
         return self.model_dump(mode="json", exclude=absent or None)
 
 

@@ -148,7 +148,7 @@ def _controller_looks(records, ends, cfg, canary_spec) -> list[list]:
     ctx = SimpleNamespace(
         run_id="replay", config=ExperimentConfig(requests_per_look=40, requests_per_arm=200, window_s=10, max_duration_s=480),
         gates=cfg, store=store, scrape=lambda: {}, replica_arms={}, speculative_canary=True,
-        say=lambda message: None, event=lambda kind, text: None, replicas_alive=lambda: {},
+        say=lambda message: None, event=lambda kind, text: None, replicas_alive=lambda: {}, twin=False,
     )
     phase = ExperimentPhase(ctx)
     phase._scrape_acceptance = lambda: phase.spec_delta.update({CANARY: canary_spec})
@@ -322,3 +322,53 @@ def test_the_limits_the_world_is_put_at_are_the_true_values():
     tpot = world.tpot_median_s * np.exp(rng.normal(0.0, world.tpot_sigma, 400_000))
     base, canary = ttft[::2] + tpot[::2] * (tokens - 1), spec.ttft_ratio * ttft[1::2] + spec.tpot_ratio * tpot[1::2] * (tokens - 1)
     assert np.quantile(canary, 0.95) / np.quantile(base, 0.95) == pytest.approx(1.3, rel=0.01)
+
+
+# -- the twin baseline's noise floor and the goodput guard's A/A rows ------------------------------
+def test_the_noise_floor_rows_run_the_experiment_with_a_twin(small_calibration):
+    """The rows simulate a third arm (the twin), and with the baseline on cores 1/0.8 slower than the twin's and the
+    canary's (canary at the bar against the twin) the objective does not pass: without the floor it passes with
+    the power of a true 0.8 ratio (test below)."""
+    rows = {row["name"]: row for row in small_calibration["noise_floor"]}
+    assert set(rows) == {"aa_placement_0.8", "aa_placement_0.95", "twin_power_0.7"}
+    assert rows["aa_placement_0.8"]["objective_pass_rate"] == 0.0
+    assert rows["aa_placement_0.8"]["twin_tpot_ratio"] == 0.8 and rows["aa_placement_0.8"]["trials"] == TRIALS
+    assert "Noise floor" in format_table({**small_calibration, "wall_s": 1.0})
+    design = default_design()
+    spec = calibrate.trial_sets(design)["noise_floor/aa_placement_0.8"]
+    records = calibrate.simulate_records(np.random.default_rng(3), design.latency, spec, design.shape, calibrate._TEMPLATE)
+    assert {r.arm for r in records} == {BASELINE, CANARY, "twin"}
+    # the same world judged without the twin's veto: the placement alone passes the objective
+    no_twin = calibrate.replace(spec, twin_tpot_ratio=None)
+    passes = [calibrate.simulate_trial(design, no_twin, np.random.default_rng(t)).verdicts[OBJECTIVE_NAME] for t in range(3)]
+    assert passes.count("pass") >= 2
+
+
+def test_goodput_aa_rows_appear_with_an_slo_and_not_without(small_calibration):
+    assert small_calibration["goodput_aa"] == []  # the demo sets no SLO
+    data = json.loads(json.dumps(calibrate.DEMO_RUN_CONFIG))
+    data["gates"]["slo"] = {"ttft_s": 0.4}
+    design = design_from_run_config(data, "with an SLO")
+    result = run_calibration(design, trials=1, seed=3, workers=1)
+    assert [row["scenario"] for row in result["goodput_aa"]] == list(LATENCY_SCENARIOS)
+    assert all(0.0 <= row["false_rollback_rate"] <= 1.0 and row["trials"] == 1 for row in result["goodput_aa"])
+    assert "family of its own" in format_table({**result, "wall_s": 1.0})
+
+
+def test_the_calibration_page_shows_every_table_with_its_run(small_calibration, tmp_path, capsys):
+    """benchmarks/calibration_table.py renders docs/calibration.md from `calibrate --json`: every table, the
+    command, trials, seed, commit and machine; a file that is not a calibration is one line and exit 2."""
+    from benchmarks import calibration_table
+
+    path = tmp_path / "calibrate.json"
+    path.write_text(json.dumps({**small_calibration, "wall_s": 12.5, "workers": 1}))
+    assert calibration_table.main([str(path), "--commit", "abc123", "--machine", "test CPU"]) == 0
+    page = capsys.readouterr().out
+    for heading in ("## Latency scenarios", "## Pass at the limit", "## Power", "## The whole decision", "## Noise floor"):
+        assert heading in page
+    assert f"--trials {TRIALS} --seed 11 --workers 1 --json" in page and "`abc123`" in page and "test CPU" in page
+    assert "| arm_level_0.10 |" in page and "| aa_placement_0.8 |" in page
+    (tmp_path / "other.json").write_text("{}")
+    assert calibration_table.main([str(tmp_path / "other.json")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert "not a calibrate --json output" in err and "\n" not in err

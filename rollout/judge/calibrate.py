@@ -31,6 +31,20 @@ Rows
   and the mean completed requests per arm the controller judged when it stopped.
 * ``decision``: every gate at its limit at once, accuracy phase then experiment:
   P(PROMOTE) and P(ROLLBACK) of the whole decision.
+* ``noise_floor``: the experiment as ``twin_baseline: true`` runs it (a twin baseline
+  arm, ``rollout.judge.noise_floor``: the objective cannot pass while the A/A TPOT p50
+  ratio twin / baseline excludes 1), whatever the config says about the twin.
+  ``aa_placement_S``: the canary exactly at the objective's bar against the twin (its
+  config is no better than the bar), the baseline's replica on cores slower by 1/S, so
+  canary / baseline measures S x bar and twin / baseline S: P(objective PASS) is a
+  false promote the noise floor must stop. ``twin_power_R``: the canary truly at R, a
+  true A/A twin: P(objective PASS), the power the floor leaves.
+* ``goodput_aa`` (when ``gates.slo`` sets a bound and the goodput gate is enabled): per
+  latency scenario, P(the goodput gate is FAIL) with identical arms, from the
+  scenarios' A/A trials. Its rollback side is a family of its own at alpha, not one of
+  Holm's guardrail family (that family's rollback side holds its familywise rate at
+  alpha over the TTFT/E2E p95 and error-rate guardrails): the experiment's A/A false
+  rollback is bounded by alpha (Holm's family) + alpha (goodput), a union bound.
 
 Every rate is <= alpha by design on its promote side (intersection-union), so
 ``simulation_se`` (the binomial SE of a rate equal to alpha) says how far a
@@ -106,6 +120,8 @@ __all__ = [
 ]
 
 POWER_TPOT_RATIOS = (0.8, 0.7)
+PLACEMENT_FACTORS = (0.8, 0.95)  # the baseline's cores slower by 1/S than the twin's and the canary's
+TWIN_POWER_RATIOS = (0.7,)
 PASSING_TPOT_RATIO = 0.7  # the objective comfortably passes while another gate sits at its limit
 GOODPUT_SCENARIO = "arm_level_0.10"  # the goodput gate at its margin: a per-look arm-level latency (correlated requests)
 CHUNK_TRIALS = 25  # trials per task handed to a worker
@@ -256,6 +272,7 @@ _TEMPLATE = RequestRecord(request_id="simulated", tag="experiment", worker="cali
 
 def _experiment(rng: np.random.Generator, design: CalibrationDesign, spec: TrialSpec):
     records = simulate_records(rng, design.latency, spec, design.shape, _TEMPLATE)
+    plan = replace(design.plan, twin=True) if spec.twin_tpot_ratio is not None else design.plan
     canary_ok = [r.request_id for r in records if r.arm == CANARY and r.ok]
     k = design.shape.speculative_tokens if design.speculative_canary else 0
     if k > 0:
@@ -263,8 +280,8 @@ def _experiment(rng: np.random.Generator, design: CalibrationDesign, spec: Trial
     else:  # a canary that does not speculate: no counters (its acceptance gate is the config's call)
         drafts, accepted = np.zeros(len(canary_ok)), np.zeros((len(canary_ok), 0))
     spec_at = cumulative_canary_spec(records, canary_ok, drafts, accepted)
-    ends = look_ends(records, design.plan)
-    return run_experiment_looks(records, ends, design.plan, design.gates, spec_at, design.speculative_canary)
+    ends = look_ends(records, plan)
+    return run_experiment_looks(records, ends, plan, design.gates, spec_at, design.speculative_canary)
 
 
 def simulate_trial(design: CalibrationDesign, spec: TrialSpec, rng: np.random.Generator) -> TrialOutcome:
@@ -337,6 +354,14 @@ def _ttft_factor_for_e2e_ratio(design: CalibrationDesign, target: float, samples
     return float(optimize.brentq(gap, 1e-3, 1e3))
 
 
+def _noise_floor_specs(design: CalibrationDesign) -> dict[str, TrialSpec]:
+    """The twin-baseline rows' trials by row name (see the module docstring)."""
+    bar = 1.0 - design.gates.tpot_p50_min_improvement
+    specs = {f"aa_placement_{s:g}": TrialSpec(tpot_ratio=bar * s, twin_tpot_ratio=s) for s in PLACEMENT_FACTORS}
+    specs |= {f"twin_power_{r:g}": TrialSpec(tpot_ratio=r, twin_tpot_ratio=1.0) for r in TWIN_POWER_RATIOS}
+    return specs
+
+
 def trial_sets(design: CalibrationDesign) -> dict[str, TrialSpec]:
     """Every set of trials the report needs, by key (a set several rows share is simulated once)."""
     bar = 1.0 - design.gates.tpot_p50_min_improvement
@@ -347,6 +372,8 @@ def trial_sets(design: CalibrationDesign) -> dict[str, TrialSpec]:
             sets[f"{scenario}/aa"] = TrialSpec(scenario=scenario)
         for ratio in POWER_TPOT_RATIOS:
             sets[f"power/{ratio:g}"] = TrialSpec(tpot_ratio=ratio)
+        for name, spec in _noise_floor_specs(design).items():
+            sets[f"noise_floor/{name}"] = spec
     for gate, spec in _limit_specs(design).items():
         sets["iid/at_bar" if gate == OBJECTIVE_NAME else f"limit/{gate}"] = spec
     cfg, world = design.gates, design.latency
@@ -463,6 +490,26 @@ def run_calibration(
         for ratio in POWER_TPOT_RATIOS
         if f"power/{ratio:g}" in by_key
     ]
+    noise_floor = [
+        {
+            "name": name,
+            "canary_tpot_ratio": spec.tpot_ratio,
+            "twin_tpot_ratio": spec.twin_tpot_ratio,
+            "objective_pass_rate": _rate(by_key[f"noise_floor/{name}"], lambda o: o.verdicts.get(OBJECTIVE_NAME) == "pass"),
+            "trials": trials,
+        }
+        for name, spec in _noise_floor_specs(design).items()
+        if f"noise_floor/{name}" in by_key
+    ]
+    goodput_aa = [
+        {
+            "scenario": name,
+            "false_rollback_rate": _rate(by_key[f"{name}/aa"], lambda o: o.verdicts.get(GOODPUT_NAME) == "fail"),
+            "trials": trials,
+        }
+        for name in LATENCY_SCENARIOS
+        if design.experiment_enabled and design.gates.goodput_slo is not None and is_enabled(GOODPUT_NAME, design.gates)
+    ]
     decisions = by_key["decision"]
     return {
         "alpha": alpha,
@@ -473,6 +520,8 @@ def run_calibration(
         "scenarios": scenarios,
         "pass_at_limit": pass_at_limit,
         "power": power,
+        "noise_floor": noise_floor,
+        "goodput_aa": goodput_aa,
         "decision": {
             "false_promote_rate": _rate(decisions, lambda o: o.decision == Decision.PROMOTE.value),
             "false_rollback_rate": _rate(decisions, lambda o: o.decision == Decision.ROLLBACK.value),
@@ -511,6 +560,22 @@ def format_table(result: Mapping[str, Any]) -> str:
                   f"  {'true TPOT ratio':>15} {'power':>7} {'mean requests/arm':>18}"]
         for row in result["power"]:
             lines.append(f"  {row['true_tpot_ratio']:>15.2f} {row['power']:>7.4f} {row['mean_requests_per_arm']:>18.1f}")
+    if result.get("noise_floor"):
+        lines += ["", "Noise floor (the experiment with a twin baseline): the objective cannot pass while the A/A TPOT p50",
+                  "ratio twin/baseline excludes 1. aa_placement_S: canary at the bar against the twin, the baseline's cores",
+                  "slower by 1/S (a pass is a false promote); twin_power_R: canary truly at R, true A/A twin (power).",
+                  f"  {'row':<20} {'canary/baseline':>15} {'twin/baseline':>13} {'objective pass':>14}"]
+        for row in result["noise_floor"]:
+            flag = "  <-- above alpha + 2 SE" if row["name"].startswith("aa_") and row["objective_pass_rate"] > bound else ""
+            lines.append(f"  {row['name']:<20} {row['canary_tpot_ratio']:>15.3f} {row['twin_tpot_ratio']:>13.3f} "
+                         f"{row['objective_pass_rate']:>14.4f}{flag}")
+    if result.get("goodput_aa"):
+        lines += ["", "Goodput guard, A/A: P(goodput_guard FAIL) with identical arms. Its rollback side is a family of its own",
+                  "at alpha, beside Holm's guardrail family (alpha familywise): together at most 2 alpha (union bound).",
+                  f"  {'scenario':<20} {'false rollback':>14}"]
+        for row in result["goodput_aa"]:
+            flag = "  <-- above alpha + 2 SE" if row["false_rollback_rate"] > bound else ""
+            lines.append(f"  {row['scenario']:<20} {row['false_rollback_rate']:>14.4f}{flag}")
     d = result["decision"]
     lines += ["", "The whole decision with every gate at its limit at once (accuracy phase, then the experiment):",
               f"  P(PROMOTE) {d['false_promote_rate']:.4f}   P(ROLLBACK) {d['false_rollback_rate']:.4f}"]

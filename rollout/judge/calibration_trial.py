@@ -86,7 +86,7 @@ def run_experiment_looks(
     for look, end in enumerate(ends, start=1):
         looks_of += [look] * (end - start)
         judged = records[:end]
-        fractions.append(experiment_looks.next_information(fractions, plan.information(experiment_looks.requests_by_arm(judged))))
+        fractions.append(experiment_looks.next_information(fractions, plan.information(experiment_looks.requests_by_arm(judged, plan.arms))))
         gates = experiment_looks.judge_look(judged, looks_of, fractions, cfg, plan, canary_spec_at(end), speculative_canary)
         looks.append(gates)
         start = end
@@ -97,7 +97,7 @@ def run_experiment_looks(
     return ExperimentRun(
         looks=looks,
         information=fractions,
-        requests=experiment_looks.requests_by_arm(records[:start]),
+        requests=experiment_looks.requests_by_arm(records[:start], plan.arms),
         stopped_by=stopped_by,
     )
 

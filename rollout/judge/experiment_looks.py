@@ -22,6 +22,9 @@ The rules (the controller's, unchanged):
   (``sample_ratio``: the arms' completed requests against the equal shares the
   alternating pinning promises), and, when ``gates.slo`` sets a bound, the goodput
   gate on the arms' requests paired by prompt, a look per block (``goodput``);
+* with a twin baseline (``LookPlan.twin``: a third arm, the baseline's config, pinned in
+  turn like the others) the A/A TPOT p50 ratio twin / baseline at every look
+  (``noise_floor``): the objective cannot pass while its interval excludes 1;
 * the phase stops at information 1, or from ``min_looks`` on once every enabled
   gate is decided (``verdicts.is_final``).
 
@@ -42,9 +45,10 @@ from loadtests.records import RequestRecord
 from rollout.judge.acceptance import judge_acceptance
 from rollout.judge.config import GatesConfig
 from rollout.judge.goodput import goodput_samples, judge_goodput
-from rollout.judge.latency import LatencySamples, judge_latency, latency_samples_from_records
+from rollout.judge.latency import LatencySamples, judge_latency, latency_samples_by_arm, latency_samples_from_records
 from rollout.judge.sample_ratio import judge_sample_ratio
-from rollout.judge.names import GOODPUT_NAME
+from rollout.judge.names import GOODPUT_NAME, OBJECTIVE_NAME, TWIN_ARM
+from rollout.judge.noise_floor import NoiseFloor, apply_noise_floor, judge_noise_floor
 from rollout.judge.verdicts import GateResult, Verdict, is_enabled, is_final
 
 __all__ = [
@@ -58,6 +62,7 @@ __all__ = [
     "latency_samples",
     "next_information",
     "judge_look",
+    "judge_look_with_floor",
     "stop_after",
     "replay_looks",
     "look_ends_by_rule",
@@ -91,11 +96,18 @@ class LookPlan:
     # each Locust user keeps one arm (rollout.config.ExperimentConfig.arm_users): the arms' request
     # counts differ by their speed, and the sample-ratio check compares busy time instead
     arm_users: bool = False
+    # a twin baseline gets the experiment's traffic too (twin_baseline): a third arm, the A/A noise floor
+    twin: bool = False
 
     @classmethod
-    def of(cls, exp: PlannedExperiment) -> "LookPlan":
+    def of(cls, exp: PlannedExperiment, twin: bool = False) -> "LookPlan":
         return cls(exp.requests_per_look, exp.requests_per_arm, float(exp.window_s), exp.min_looks, exp.max_duration_s,
-                   exp.arm_users)
+                   exp.arm_users, twin)
+
+    @property
+    def arms(self) -> tuple[str, ...]:
+        """The arms the experiment's traffic goes to, each look waiting for all of them."""
+        return (*ARMS, TWIN_ARM) if self.twin else ARMS
 
     @property
     def planned_looks(self) -> int:
@@ -123,11 +135,18 @@ def completed(records: Sequence[RequestRecord], arm: str) -> int:
     return sum(1 for r in records if record_arm(r) == arm and not r.cancelled)
 
 
-def requests_by_arm(records: Sequence[RequestRecord]) -> dict[str, int]:
-    return {arm: completed(records, arm) for arm in ARMS}
+def requests_by_arm(records: Sequence[RequestRecord], arms: Sequence[str] = ARMS) -> dict[str, int]:
+    """`completed` of every arm, in one pass over the records (every look counts all records so far)."""
+    counts = dict.fromkeys(arms, 0)
+    for r in records:
+        if not r.cancelled:
+            arm = r.arm if r.arm is not None else r.pinned_arm
+            if arm in counts:
+                counts[arm] += 1
+    return counts
 
 
-def promised_shares(records: Sequence[RequestRecord], arm_users: bool) -> dict[str, float]:
+def promised_shares(records: Sequence[RequestRecord], arm_users: bool, arms: Sequence[str] = ARMS) -> dict[str, float]:
     """The share of requests each arm should have served, for the sample-ratio check.
 
     Every prompt to each arm in turn: equal shares. Each user keeping one arm (equal users per
@@ -138,9 +157,9 @@ def promised_shares(records: Sequence[RequestRecord], arm_users: bool) -> dict[s
     its share; an arm that is merely faster does not.
     """
     if not arm_users:
-        return {arm: 1.0 for arm in ARMS}
+        return {arm: 1.0 for arm in arms}
     shares: dict[str, float] = {}
-    for arm in ARMS:
+    for arm in arms:
         mine = [r for r in records if record_arm(r) == arm and not r.cancelled]
         busy = sum(r.e2e_s for r in mine)
         shares[arm] = len(mine) / busy if busy > 0 else 1.0
@@ -175,22 +194,45 @@ def judge_look(
     ``looks_of[i]`` is the look record ``i`` arrived in; ``fractions`` the information
     fraction of every look so far, this one last. ``canary_spec`` is the canary's
     spec-decode counters since the phase began (None: not scraped, so unknown).
+    With ``plan.twin`` the objective is held to the A/A noise floor (`judge_look_with_floor`).
     """
+    return judge_look_with_floor(records, looks_of, fractions, cfg, plan, canary_spec, speculative_canary)[0]
+
+
+def judge_look_with_floor(
+    records: Sequence[RequestRecord],
+    looks_of: Sequence[int],
+    fractions: Sequence[float],
+    cfg: GatesConfig,
+    plan: LookPlan,
+    canary_spec: SpecDecodeStats | None,
+    speculative_canary: bool,
+) -> tuple[list[GateResult], NoiseFloor | None]:
+    """`judge_look`'s gates and, with a twin baseline, the look's A/A noise floor (None without a twin)."""
     look = len(fractions)
-    baseline = latency_samples(records, looks_of, BASELINE)
-    canary = latency_samples(records, looks_of, CANARY)
+    samples = latency_samples_by_arm(records, looks_of, plan.arms)
+    baseline, canary = samples[BASELINE], samples[CANARY]
     latency = judge_latency(baseline, canary, cfg, look=look, max_looks=plan.planned_looks, information=list(fractions))
+    floor = None
+    if plan.twin:
+        twin = samples[TWIN_ARM]
+        floor = judge_noise_floor(baseline, twin, cfg, look=look, max_looks=plan.planned_looks, information=list(fractions))
+        # the objective must also hold against the twin: an asymmetry too small for the A/A
+        # interval to exclude 1 can still carry canary / baseline below the bar
+        against_twin = judge_latency(twin, canary, cfg, look=look, max_looks=plan.planned_looks, information=list(fractions))
+        latency = apply_noise_floor(latency, floor, next((g for g in against_twin if g.name == OBJECTIVE_NAME), None))
     acceptance = judge_acceptance(canary_spec, cfg, look=look, max_looks=plan.planned_looks, information=list(fractions))
     if canary_spec is not None and speculative_canary and canary_spec.drafts <= 0:
         acceptance = acceptance.model_copy(
             update={"verdict": Verdict.FAIL, "detail": "the speculative canary made no drafts under load"}
         )
-    sample_ratio = judge_sample_ratio(requests_by_arm(records), cfg, promised_shares(records, plan.arm_users), look=look)
+    counts = requests_by_arm(records, plan.arms)
+    sample_ratio = judge_sample_ratio(counts, cfg, promised_shares(records, plan.arm_users, plan.arms), look=look)
     gates = [*latency, acceptance, sample_ratio]
     if is_enabled(GOODPUT_NAME, cfg) and cfg.goodput_slo is not None:
         samples = goodput_samples(records, cfg.goodput_slo, looks_of)
         gates.append(judge_goodput(samples, cfg, look=look, max_looks=plan.planned_looks, information=list(fractions)))
-    return gates
+    return gates, floor
 
 
 def stop_after(look: int, fractions: Sequence[float], plan: LookPlan, gates: Sequence[GateResult], cfg: GatesConfig) -> str | None:
@@ -237,7 +279,7 @@ def look_ends_by_rule(records: Sequence[RequestRecord], plan: LookPlan) -> list[
         return []
     start = min(r.sent_at for r in records)
     last_look_at, clock, ends = start, start, []
-    new = {arm: 0 for arm in ARMS}
+    new = {arm: 0 for arm in plan.arms}
     totals = dict(new)
     for i, r in enumerate(records):
         clock = max(clock, r.sent_at + r.e2e_s)
@@ -248,23 +290,25 @@ def look_ends_by_rule(records: Sequence[RequestRecord], plan: LookPlan) -> list[
         capped = clock - start >= plan.max_duration_s
         if plan.look_due(new, totals, clock - last_look_at) or (capped and any(new.values())):
             ends.append(i + 1)
-            last_look_at, new = clock, {arm: 0 for arm in ARMS}
+            last_look_at, new = clock, {arm: 0 for arm in plan.arms}
         if capped:
             break
     return ends
 
 
-def _boundaries_by_counts(records: Sequence[RequestRecord], counts: Sequence[dict[str, int]]) -> list[int]:
+def _boundaries_by_counts(
+    records: Sequence[RequestRecord], counts: Sequence[dict[str, int]], arms: Sequence[str] = ARMS
+) -> list[int]:
     """End index of every stored look: the first record at which each arm has that look's completed count."""
     ends, i = [], 0
     for wanted in counts:
-        got = {arm: 0 for arm in ARMS}
-        while i < len(records) and any(got[arm] < wanted.get(arm, 0) for arm in ARMS):
+        got = {arm: 0 for arm in arms}
+        while i < len(records) and any(got[arm] < wanted.get(arm, 0) for arm in arms):
             arm = record_arm(records[i])
             if arm in got and not records[i].cancelled:
                 got[arm] += 1
             i += 1
-        if any(got[arm] < wanted.get(arm, 0) for arm in ARMS):
+        if any(got[arm] < wanted.get(arm, 0) for arm in arms):
             raise ValueError(f"look {len(ends) + 1} needs {wanted} completed requests; the records hold only {got} more")
         ends.append(i)
     return ends
@@ -286,7 +330,7 @@ def replay_looks(
     ones at every look (per-look counters are not stored). Records after the last
     look are not judged, as in the run.
     """
-    ends = _boundaries_by_counts(records, stored_counts) if stored_counts is not None else look_ends_by_rule(records, plan)
+    ends = _boundaries_by_counts(records, stored_counts, plan.arms) if stored_counts is not None else look_ends_by_rule(records, plan)
     replay = Replay()
     looks_of: list[int] = []
     fractions: list[float] = []
@@ -294,9 +338,9 @@ def replay_looks(
     for look, end in enumerate(ends, start=1):
         look_records = records[start:end]
         looks_of += [look] * len(look_records)
-        fractions.append(next_information(fractions, plan.information(requests_by_arm(records[:end]))))
+        fractions.append(next_information(fractions, plan.information(requests_by_arm(records[:end], plan.arms))))
         gates = judge_look(records[:end], looks_of, fractions, cfg, plan, canary_spec, speculative_canary)
-        replay.looks.append(Look(look, round(fractions[-1], 4), requests_by_arm(look_records), gates))
+        replay.looks.append(Look(look, round(fractions[-1], 4), requests_by_arm(look_records, plan.arms), gates))
         start = end
         reason = stop_after(look, fractions, plan, gates, cfg)
         if reason is not None:

@@ -29,9 +29,11 @@ How a quantile ratio is bounded at each look (``rollout.judge.stats``):
 
 from __future__ import annotations
 
+import hashlib
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass
+from functools import lru_cache
 
 import numpy as np
 
@@ -55,10 +57,13 @@ from rollout.judge.verdicts import GateResult, Verdict, is_enabled
 __all__ = [
     "LatencySamples",
     "latency_samples_from_records",
+    "latency_samples_by_arm",
     "judge_latency",
     "cumulative_bounds",
     "sample_design_effect",
     "RUN_BLOCK_REQUESTS",
+    "RatioBounds",
+    "tpot_p50_ratio_bounds",
 ]
 
 #: Block length, in consecutive samples, when the samples carry no look ids.
@@ -107,20 +112,47 @@ def latency_samples_from_records(records: Sequence[RequestRecord], looks_of: Seq
     (``error_window``), so errors enter the quantiles in their own block.
     Records are expected in completion order within each look.
     """
+    return latency_samples_by_arm(records, looks_of, (arm,))[arm]
+
+
+def latency_samples_by_arm(
+    records: Sequence[RequestRecord], looks_of: Sequence[int], arms: Sequence[str]
+) -> dict[str, LatencySamples]:
+    """`latency_samples_from_records` of every arm in ``arms``, in one pass over the records
+    (every look reads all records so far)."""
     if len(records) != len(looks_of):
         raise ValueError(f"one look per record needed: {len(looks_of)} for {len(records)} records")
-    mine = [(r, w) for r, w in zip(records, looks_of) if _record_arm(r) == arm and not r.cancelled]
-    ok = [(r, w) for r, w in mine if r.ok and r.ttft_s is not None and r.tpot_s is not None]
-    failed = [w for r, w in mine if not r.ok]
-    return LatencySamples(
-        ttft_s=np.array([r.ttft_s for r, _ in ok], dtype=float),
-        tpot_s=np.array([r.tpot_s for r, _ in ok], dtype=float),
-        e2e_s=np.array([r.e2e_s for r, _ in ok], dtype=float),
-        n_errors=len(failed),
-        n_total=len(mine),
-        window=np.array([w for _, w in ok], dtype=int),
-        error_window=np.array(failed, dtype=int),
-    )
+    columns: dict[str, tuple[list, list, list, list, list]] = {arm: ([], [], [], [], []) for arm in arms}
+    n_total = dict.fromkeys(arms, 0)
+    for r, w in zip(records, looks_of):
+        if r.cancelled:
+            continue
+        mine = columns.get(_record_arm(r))
+        if mine is None:
+            continue
+        ttft, tpot, e2e, window, failed = mine
+        n_total[_record_arm(r)] += 1
+        if not r.ok:
+            failed.append(w)
+            continue
+        r_tpot = r.tpot_s  # a computed property: read once
+        if r.ttft_s is not None and r_tpot is not None:
+            ttft.append(r.ttft_s)
+            tpot.append(r_tpot)
+            e2e.append(r.e2e_s)
+            window.append(w)
+    return {
+        arm: LatencySamples(
+            ttft_s=np.array(ttft, dtype=float),
+            tpot_s=np.array(tpot, dtype=float),
+            e2e_s=np.array(e2e, dtype=float),
+            n_errors=len(failed),
+            n_total=n_total[arm],
+            window=np.array(window, dtype=int),
+            error_window=np.array(failed, dtype=int),
+        )
+        for arm, (ttft, tpot, e2e, window, failed) in columns.items()
+    }
 
 
 # ---------------------------------------------------------------------------
@@ -150,7 +182,8 @@ class _ArmLook:
 
     ``sorted_values``: the successful samples then +inf per failed request;
     ``n_blocks`` blocks with samples, ``deff`` the design effect of the
-    quantile judged (NaN with fewer than 2 blocks).
+    quantile judged (NaN with fewer than 2 blocks); ``distinct`` the distinct
+    finite values (every band of the arm needs them for its tie rule).
     """
 
     sorted_values: np.ndarray
@@ -158,9 +191,10 @@ class _ArmLook:
     n_errors: int
     n_blocks: int
     deff: float
+    distinct: np.ndarray | None = None
 
     def band(self, q: float, level: float, df: float | None = None) -> stats.QuantileBand:
-        return stats.quantile_band(self.sorted_values, q, level, self.deff, self.n_blocks, df)
+        return stats.quantile_band(self.sorted_values, q, level, self.deff, self.n_blocks, df, self.distinct)
 
     def block_variance(self, q: float) -> float:
         """Block-robust variance of the log quantile, up to a constant: design effect x the iid SE squared."""
@@ -182,6 +216,7 @@ class _ArmSeries:
 
     ``looks`` is None when the samples carry no look ids (then only the
     current look is judged, and blocks are runs of consecutive samples).
+    ``order``: a stable argsort of ``values``, shared by every look's subset.
     """
 
     values: np.ndarray
@@ -190,14 +225,39 @@ class _ArmSeries:
     looks: np.ndarray | None
     dropped: int
     block_kind: str
+    order: np.ndarray | None = None
+
+    def _keep(self, look: int | None) -> np.ndarray | None:
+        return None if (self.looks is None or look is None) else self.looks <= look
+
+    def digest(self, look: int | None) -> bytes:
+        """A fingerprint of the samples and blocks up to ``look``: equal fingerprints, equal `up_to`."""
+        keep = self._keep(look)
+        values, blocks = (self.values, self.blocks) if keep is None else (self.values[keep], self.blocks[keep])
+        h = hashlib.blake2b(digest_size=16)
+        h.update(np.ascontiguousarray(values).tobytes())
+        h.update(str(blocks.dtype).encode())
+        h.update(np.ascontiguousarray(blocks).tobytes())
+        return h.digest()
 
     def up_to(self, look: int | None, q: float) -> _ArmLook:
-        keep = slice(None) if (self.looks is None or look is None) else self.looks <= look
-        values, blocks, errors = self.values[keep], self.blocks[keep], self.is_error[keep]
-        n_blocks = int(np.unique(blocks).size)
-        deff = stats.design_effect(values, blocks, q) if n_blocks >= 2 else float("nan")
+        keep = self._keep(look)
+        order = self.order if self.order is not None else np.argsort(self.values, kind="stable")
+        if keep is None:
+            values, blocks, errors = self.values, self.blocks, self.is_error
+        else:
+            values, blocks, errors = self.values[keep], self.blocks[keep], self.is_error[keep]
+            # the subset's stable order is the whole series' stable order restricted to it
+            position = np.cumsum(keep) - 1
+            order = position[order[keep[order]]]
+        sorted_values = values[order]
+        block_index, n_blocks = stats.dense_block_index(blocks)
+        groups = stats.tie_groups(sorted_values)
+        deff = stats.design_effect_sorted(sorted_values, order, block_index, n_blocks, q, groups) if n_blocks >= 2 else float("nan")
         n_errors = int(errors.sum())
-        return _ArmLook(np.sort(values), int(values.size) - n_errors, n_errors, n_blocks, deff)
+        distinct = sorted_values[groups[0]]
+        distinct = distinct[np.isfinite(distinct)]
+        return _ArmLook(sorted_values, int(values.size) - n_errors, n_errors, n_blocks, deff, distinct)
 
 
 def _arm_series(samples: LatencySamples, field: str) -> _ArmSeries:
@@ -227,13 +287,15 @@ def _arm_series(samples: LatencySamples, field: str) -> _ArmSeries:
     else:
         positions = np.concatenate([np.arange(n_ok), spread if n_ok else np.arange(n_errors)])
         looks, blocks, kind = None, positions // RUN_BLOCK_REQUESTS, f"runs of {RUN_BLOCK_REQUESTS} requests"
+    all_values = np.concatenate([values, np.full(n_errors, np.inf)])
     return _ArmSeries(
-        values=np.concatenate([values, np.full(n_errors, np.inf)]),
+        values=all_values,
         is_error=np.concatenate([np.zeros(n_ok, dtype=bool), np.ones(n_errors, dtype=bool)]),
         blocks=blocks,
         looks=looks,
         dropped=int(raw.size - n_ok),
         block_kind=kind,
+        order=np.argsort(all_values, kind="stable"),
     )
 
 
@@ -380,6 +442,84 @@ def _point_values(b_now, c_now, q: float) -> tuple[float | None, float | None, f
     return ms(point_b), ms(point_c), float(log_estimate), tie_widened
 
 
+@lru_cache(maxsize=8192)
+def _look_levels(
+    alphas: tuple[float, ...], look: int, planned: int, spending: str, information: tuple[float, ...] | None
+) -> tuple[float, ...]:
+    """The one-sided level of each alpha's critical value at ``look`` (`looks.z`, `_level_of`), remembered:
+    every look re-derives the levels of all earlier looks."""
+    cfg = _Spending(spending)
+    return tuple(_level_of(z(alpha, look, planned, cfg, information)) for alpha in alphas)  # type: ignore[arg-type]
+
+
+@dataclass(frozen=True)
+class _Spending:
+    """What `looks.z` reads of the gates config: the spending function."""
+
+    spending: str
+
+
+@dataclass(frozen=True)
+class _OneLook:
+    """One look's own bounds of a quantile ratio (log scale), before the intersection over looks."""
+
+    usable: bool
+    upper: float
+    lowers: tuple[float, ...]
+    why_not: str
+
+
+def _one_look_bounds(
+    bl: _ArmLook, cl: _ArmLook, q: float, pass_level: float, fail_levels: tuple[float, ...], cfg: GatesConfig, label: str
+) -> _OneLook:
+    """The look's pass-side upper bound and fail-side lower bounds (one per level), or why it has none."""
+    why_not, bb, cb = _why_no_bounds(bl, cl, q, pass_level, cfg, label)
+    if bb is None or cb is None:
+        return _OneLook(False, math.inf, (), why_not)
+    df = _pair_df(bl, cl, q)
+    _, low_at_pass, up = stats.mover_log_ratio_bounds(bb, cb)
+    if not low_at_pass < up:
+        return _OneLook(False, math.inf, (), "Zero-width interval (all the band's samples tied): never a pass.")
+    lowers = tuple(
+        stats.mover_log_ratio_bounds(bl.band(q, level, df), cl.band(q, level, df))[1] for level in fail_levels
+    )
+    return _OneLook(True, up, lowers, why_not)
+
+
+# An earlier look's own bounds depend only on its samples (fingerprinted), the quantile and
+# the levels: the controller's next look, and every simulated trial's, recomputes them
+# unchanged, so they are remembered (cleared when full; a hit returns the very numbers a
+# fresh computation would).
+_EARLIER_LOOKS: dict[tuple, _OneLook] = {}
+_EARLIER_LOOKS_MAX = 50_000
+
+
+def _look_key(
+    b_series: _ArmSeries, c_series: _ArmSeries, look: int | None, q: float, pass_level: float,
+    fail_levels: tuple[float, ...], cfg: GatesConfig, label: str,
+) -> tuple:
+    # everything `_one_look_bounds` reads: the arms' samples and blocks up to the look, q, levels, the sample floor
+    return (b_series.digest(look), c_series.digest(look), q, pass_level, fail_levels, cfg.min_requests_per_arm, label)
+
+
+def _remember(key: tuple, one: _OneLook) -> None:
+    if len(_EARLIER_LOOKS) >= _EARLIER_LOOKS_MAX:
+        _EARLIER_LOOKS.clear()
+    _EARLIER_LOOKS[key] = one
+
+
+def _earlier_look_bounds(
+    b_series: _ArmSeries, c_series: _ArmSeries, look: int, q: float, pass_level: float,
+    fail_levels: tuple[float, ...], cfg: GatesConfig, label: str,
+) -> _OneLook:
+    key = _look_key(b_series, c_series, look, q, pass_level, fail_levels, cfg, label)
+    one = _EARLIER_LOOKS.get(key)
+    if one is None:
+        one = _one_look_bounds(b_series.up_to(look, q), c_series.up_to(look, q), q, pass_level, fail_levels, cfg, label)
+        _remember(key, one)
+    return one
+
+
 def _quantile_ratio_bounds(
     *,
     name: str,
@@ -415,22 +555,20 @@ def _quantile_ratio_bounds(
     b_now = c_now = None
     for i, lk in enumerate(looks):
         upto = lk if (use_windows and lk < boundary_look) else None
-        bl, cl = b_series.up_to(upto, q), c_series.up_to(upto, q)
-        b_now, c_now = bl, cl
-        pass_level = _level_of(z(cfg.alpha, lk, planned, cfg, information))
-        why_not, bb, cb = _why_no_bounds(bl, cl, q, pass_level, cfg, label)
-        if bb is None or cb is None:
-            continue
-        df = _pair_df(bl, cl, q)
-        _, low_at_pass, up = stats.mover_log_ratio_bounds(bb, cb)
-        if not low_at_pass < up:
-            why_not = "Zero-width interval (all the band's samples tied): never a pass."
-            continue
-        usable[i] = True
-        upper_own[i] = up
-        for j, level in enumerate(fail_levels):
-            fail_level = _level_of(z(level, lk, planned, cfg, information))
-            lower_own[j, i] = stats.mover_log_ratio_bounds(bl.band(q, fail_level, df), cl.band(q, fail_level, df))[1]
+        prefix = None if information is None else tuple(information[:lk])
+        pass_level, *rest = _look_levels((cfg.alpha, *fail_levels), lk, planned, cfg.spending, prefix)
+        levels = tuple(rest)
+        if upto is None:  # the current look: its arms kept for the point values, its bounds remembered for the next
+            b_now, c_now = b_series.up_to(None, q), c_series.up_to(None, q)
+            one = _one_look_bounds(b_now, c_now, q, pass_level, levels, cfg, label)
+            _remember(_look_key(b_series, c_series, None, q, pass_level, levels, cfg, label), one)
+        else:
+            one = _earlier_look_bounds(b_series, c_series, upto, q, pass_level, levels, cfg, label)
+        why_not = one.why_not
+        if one.usable:
+            usable[i] = True
+            upper_own[i] = one.upper
+            lower_own[:, i] = one.lowers
 
     _, upper = cumulative_bounds(np.full(n_looks, -np.inf), upper_own, usable)
     lowers = tuple(float(cumulative_bounds(row, np.full(n_looks, np.inf), usable)[0][-1]) for row in lower_own)
@@ -738,3 +876,49 @@ def judge_latency(
     if guardrails:
         results.extend(_guardrail_results(guardrails, baseline, canary, cfg, plan))
     return results
+
+
+@dataclass(frozen=True)
+class RatioBounds:
+    """A TPOT p50 ratio other / baseline with its two-sided repeated confidence bounds (ratio scale),
+    as the objective bounds canary / baseline; ``lower``/``upper`` None where no look had bounds."""
+
+    estimate: float | None
+    lower: float | None
+    upper: float | None
+    usable: bool
+    n_baseline: int
+    n_other: int
+    deff: tuple[float, float]
+    blocks: tuple[int, int]
+    why_not: str
+
+
+def tpot_p50_ratio_bounds(
+    baseline: LatencySamples,
+    other: LatencySamples,
+    cfg: GatesConfig,
+    look: int = 1,
+    max_looks: int | None = None,
+    information: Sequence[float] | None = None,
+) -> RatioBounds:
+    """The objective's interval (both sides at alpha, the same block-robust bands, looks and spending)
+    for the TPOT p50 ratio ``other`` / ``baseline``: the A/A noise floor when ``other`` is a twin baseline."""
+    boundary_look, planned, note, fractions = resolve_information(look, max_looks, cfg, information)
+    plan = _LookPlan(look=look, boundary_look=boundary_look, planned=planned, note=note, information=fractions)
+    bounds = _quantile_ratio_bounds(
+        name="tpot_noise_floor", metric="tpot_p50_ratio", q=0.5, field="tpot_s", baseline=baseline, canary=other,
+        threshold=1.0, cfg=cfg, plan=plan, fail_levels=[cfg.alpha],
+    )
+    bounded = bounds.usable and math.isfinite(bounds.lowers[0]) and math.isfinite(bounds.upper)
+    return RatioBounds(
+        estimate=math.exp(bounds.log_estimate) if math.isfinite(bounds.log_estimate) else None,
+        lower=math.exp(bounds.lowers[0]) if bounded else None,
+        upper=math.exp(bounds.upper) if bounded else None,
+        usable=bounded,
+        n_baseline=bounds.n_baseline,
+        n_other=bounds.n_canary,
+        deff=bounds.deff,
+        blocks=bounds.blocks,
+        why_not=bounds.why_not,
+    )

@@ -12,7 +12,11 @@ __all__ = [
     "GOODPUT_NAME",
     "GATE_NAMES",
     "GATE_PHASES",
+    "TWIN_ARM",
 ]
+
+# the second baseline arm (rollout.config.TWIN, twin_baseline: the A/A noise floor)
+TWIN_ARM = "twin"
 
 OBJECTIVE_NAME = "tpot_p50_improvement"
 GUARDRAIL_NAMES = ("ttft_p95_guard", "e2e_p95_guard", "error_rate_guard")

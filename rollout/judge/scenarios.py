@@ -30,6 +30,11 @@ Latency, per arm and request (seconds)
     heavy_tails    log-sd 1.0 for TPOT and TTFT, and 3% of requests multiplied by
                    1 + Pareto(1.5) (infinite variance).
 
+A twin baseline (``TrialSpec.twin_tpot_ratio`` set): a third arm with the baseline's
+latency, its TPOT ``twin_tpot_ratio`` x the baseline's (1: a true A/A; below 1: the
+baseline's replica sits on slower cores than the twin's), in the same alternating ticket
+sequence; its draws come after the other two arms', so they are unchanged by it.
+
 Order and clock: ``users`` closed-loop streams; each sends its next request when the
 previous one ends; records come out in completion order with ``sent_at`` and
 ``e2e_s``, so the look rule runs on their clock as on a live run's.
@@ -65,6 +70,7 @@ from scipy import optimize, special
 
 from cluster.arms import BASELINE, CANARY
 from loadtests.records import RequestRecord
+from rollout.judge.names import TWIN_ARM
 
 __all__ = [
     "LATENCY_SCENARIOS",
@@ -137,6 +143,7 @@ class TrialSpec:
     canary_divergence_rate: float | None = None  # absolute rate (no twin: the cap scenario), None: world's + excess
     run_accuracy: bool = False
     run_experiment: bool = True
+    twin_tpot_ratio: float | None = None  # a twin baseline arm in the experiment, TPOT x this; None: no twin arm
 
     def __post_init__(self) -> None:
         if self.scenario not in LATENCY_SCENARIOS:
@@ -160,9 +167,10 @@ def _arm_level(scenario: str) -> float:
 
 
 def _arm_latencies(
-    rng: np.random.Generator, n: int, world: LatencyWorld, spec: TrialSpec, shape: StreamShape, canary: bool
+    rng: np.random.Generator, n: int, world: LatencyWorld, spec: TrialSpec, shape: StreamShape, canary: bool,
+    twin: bool = False,
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """(ttft_s, tpot_s, ok) of one arm's n requests in send order."""
+    """(ttft_s, tpot_s, ok) of one arm's n requests in send order (``twin``: the twin baseline's)."""
     scenario = spec.scenario
     tpot_sigma = world.ties_tpot_sigma if scenario == "ties_1ms" else world.tpot_sigma
     ttft_sigma = world.ttft_sigma
@@ -189,7 +197,8 @@ def _arm_latencies(
         hit = rng.random(n) < world.heavy_stall_probability
         factor = np.log1p(rng.pareto(world.heavy_pareto_shape, n)) * hit
         log_tpot, log_ttft = log_tpot + factor, log_ttft + factor
-    tpot = np.exp(log_tpot) * (spec.tpot_ratio if canary else 1.0)
+    tpot_factor = spec.tpot_ratio if canary else (spec.twin_tpot_ratio or 1.0) if twin else 1.0
+    tpot = np.exp(log_tpot) * tpot_factor
     ttft = np.exp(log_ttft) * (spec.ttft_ratio if canary else 1.0)
     if scenario == "ties_1ms":
         tick = world.ties_resolution_s
@@ -247,10 +256,12 @@ def simulate_records(
     alternate = spec.scenario != "unequal_n"
     # Sharing one alternating ticket sequence, an arm with requests_per_arm + every stream's
     # request sent has completed the plan; on its own loop the faster arm sends more.
-    users = 2 * shape.users_per_arm
+    arms = (BASELINE, CANARY, TWIN_ARM) if spec.twin_tpot_ratio is not None else (BASELINE, CANARY)
+    users = len(arms) * shape.users_per_arm
     budget = shape.requests_per_arm + users + 2 if alternate else int(2.5 * shape.requests_per_arm) + 2 * users
     latencies = {
-        arm: _arm_latencies(rng, budget, world, spec, shape, canary=(arm == CANARY)) for arm in (BASELINE, CANARY)
+        arm: _arm_latencies(rng, budget, world, spec, shape, canary=(arm == CANARY), twin=(arm == TWIN_ARM))
+        for arm in arms
     }
     tokens = shape.output_tokens
     e2e = {arm: np.where(ok, ttft + tpot * (tokens - 1), world.error_latency_s) for arm, (ttft, tpot, ok) in latencies.items()}

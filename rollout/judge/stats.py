@@ -120,6 +120,9 @@ __all__ = [
     "block_rank_band",
     "samples_needed",
     "design_effect",
+    "design_effect_sorted",
+    "dense_block_index",
+    "tie_groups",
     "welch_df",
     "quantile_band",
     "mover_log_ratio_bounds",
@@ -176,61 +179,78 @@ def _boundaries_cached(alpha: float, max_looks: int, spending: str) -> tuple[flo
 
 @lru_cache(maxsize=2048)
 def _boundaries_at_cached(alpha: float, fractions: tuple[float, ...], spending: str) -> tuple[float, ...]:
+    return _boundary_state(alpha, fractions, spending).boundaries
+
+
+@dataclass(frozen=True)
+class _BoundaryState:
+    """The recursion after its last look: the boundaries so far and the continuation sub-density.
+
+    ``grid``/``density``/``weights``: the sub-density of the score process S(t) = Z sqrt(t)
+    (Brownian motion in information time) on the region where no boundary was crossed,
+    at the last look's information, with its trapezoid weights.
+    """
+
+    boundaries: tuple[float, ...]
+    grid: np.ndarray
+    density: np.ndarray
+    weights: np.ndarray
+
+
+# A look's boundary depends only on the fractions up to it (Lan-DeMets), so the state after
+# looks 1..k is cached per prefix: the controller's next look (and every simulated trial's)
+# extends the schedule by one fraction and costs one step of the recursion, not k. Each step
+# is computed exactly as a recursion from scratch would compute it (the same arrays in the
+# same operations), so the boundaries are bit-identical to the uncached ones.
+@lru_cache(maxsize=1024)
+def _boundary_state(alpha: float, fractions: tuple[float, ...], spending: str) -> _BoundaryState:
     info = np.asarray(fractions, dtype=float)
-    max_looks = info.size
+    k = info.size - 1
     cumulative = spent_alpha(info, alpha, spending)  # type: ignore[arg-type]
     increments = np.diff(np.concatenate([[0.0], cumulative]))
+    previous = _boundary_state(alpha, fractions[:-1], spending) if k > 0 else None
+    previous_t = float(info[k - 1]) if k > 0 else 0.0
+    step_sd = math.sqrt(info[k] - previous_t)
+    sd_total = math.sqrt(info[k])
+    increment = float(increments[k])
 
-    boundaries: list[float] = []
-    # Sub-density of the score process S(t) = Z * sqrt(t) (Brownian motion in
-    # information time) on the region where no earlier boundary was crossed.
-    grid: np.ndarray | None = None
-    density: np.ndarray | None = None
-    weights: np.ndarray | None = None
-    previous_t = 0.0
-    for k in range(max_looks):
-        step_sd = math.sqrt(info[k] - previous_t)
-        sd_total = math.sqrt(info[k])
-        increment = float(increments[k])
+    if previous is None:
+        z = stats.norm.isf(increment) if increment > 1e-15 else math.inf
+        b = z * sd_total
+    elif increment <= 1e-15:
+        b = math.inf
+    else:
+        grid, density, weights = previous.grid, previous.density, previous.weights
+        mass = weights * density
 
-        if k == 0:
-            z = stats.norm.isf(increment) if increment > 1e-15 else math.inf
-            b = z * sd_total
-        elif increment <= 1e-15:
-            b = math.inf
+        def exceed(b_: float) -> float:
+            # special.ndtr(-x) is stats.norm.sf(x) without the distribution wrapper's
+            # per-call argument checks, which dominated calibrate's time
+            return float(np.sum(mass * special.ndtr((grid - b_) / step_sd))) - increment
+
+        lo, hi = -12.0 * sd_total, 40.0 * sd_total
+        if exceed(lo) < 0:  # cannot spend that much (numerically): boundary at -inf
+            b = lo
         else:
-            assert grid is not None and density is not None and weights is not None
-            mass = weights * density
+            b = optimize.brentq(exceed, lo, hi, xtol=1e-10, rtol=1e-12)
 
-            def exceed(b_: float) -> float:
-                # special.ndtr(-x) is stats.norm.sf(x) without the distribution wrapper's
-                # per-call argument checks, which dominated calibrate's time
-                return float(np.sum(mass * special.ndtr((grid - b_) / step_sd))) - increment
-
-            lo, hi = -12.0 * sd_total, 40.0 * sd_total
-            if exceed(lo) < 0:  # cannot spend that much (numerically): boundary at -inf
-                b = lo
-            else:
-                b = optimize.brentq(exceed, lo, hi, xtol=1e-10, rtol=1e-12)
-        boundaries.append(b / sd_total)
-
-        # Propagate the continuation sub-density to this look's grid.
-        upper = min(b, 12.0 * sd_total)
-        lower = -12.0 * sd_total
-        h = min(0.02, step_sd / 8.0)
-        n_points = max(int(math.ceil((upper - lower) / h)) + 1, 3)
-        new_grid = np.linspace(lower, upper, n_points)
-        new_weights = np.full(n_points, (upper - lower) / (n_points - 1))
-        new_weights[[0, -1]] *= 0.5
-        if k == 0:
-            new_density = stats.norm.pdf(new_grid, scale=sd_total)
-        else:
-            assert grid is not None and density is not None and weights is not None
-            kernel = _std_normal_pdf((new_grid[:, None] - grid[None, :]) / step_sd) / step_sd
-            new_density = kernel @ (weights * density)
-        grid, density, weights = new_grid, new_density, new_weights
-        previous_t = info[k]
-    return tuple(boundaries)
+    # Propagate the continuation sub-density to this look's grid.
+    upper = min(b, 12.0 * sd_total)
+    lower = -12.0 * sd_total
+    h = min(0.02, step_sd / 8.0)
+    n_points = max(int(math.ceil((upper - lower) / h)) + 1, 3)
+    new_grid = np.linspace(lower, upper, n_points)
+    new_weights = np.full(n_points, (upper - lower) / (n_points - 1))
+    new_weights[[0, -1]] *= 0.5
+    if previous is None:
+        new_density = stats.norm.pdf(new_grid, scale=sd_total)
+    else:
+        kernel = _std_normal_pdf((new_grid[:, None] - previous.grid[None, :]) / step_sd) / step_sd
+        new_density = kernel @ (previous.weights * previous.density)
+    for array in (new_grid, new_density, new_weights):
+        array.flags.writeable = False  # shared by every schedule that extends this one
+    earlier = previous.boundaries if previous is not None else ()
+    return _BoundaryState((*earlier, b / sd_total), new_grid, new_density, new_weights)
 
 
 def sequential_boundaries(
@@ -458,12 +478,52 @@ def design_effect(values: np.ndarray, blocks: np.ndarray, q: float) -> float:
     n = y.size
     if n == 0 or not 0.0 < q < 1.0:
         return float("nan")
-    block_index = np.unique(b, return_inverse=True)[1]
-    n_blocks = int(block_index.max()) + 1
+    block_index, n_blocks = dense_block_index(b)
     if n_blocks < 2:
         return float("nan")
     order = np.argsort(y, kind="stable")
-    _, first, counts = np.unique(y[order], return_index=True, return_counts=True)
+    return design_effect_sorted(y[order], order, block_index, n_blocks, q)
+
+
+def dense_block_index(blocks: np.ndarray) -> tuple[np.ndarray, int]:
+    """(dense 0-based index of each block id in sorted order, number of blocks): np.unique's inverse.
+
+    Non-negative integer ids (looks, runs of requests) are counted by bincount instead
+    of sorted; the index is the same.
+    """
+    if blocks.size and blocks.dtype.kind in "iu" and int(blocks.min()) >= 0:
+        present = np.bincount(blocks) > 0
+        rank = np.cumsum(present) - 1
+        return rank[blocks], int(present.sum())
+    block_index = np.unique(blocks, return_inverse=True)[1]
+    return block_index, int(block_index.max()) + 1 if block_index.size else 0
+
+
+def tie_groups(sorted_values: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
+    """(first index, size) of every run of equal values in a sorted array: np.unique's
+    ``return_index`` / ``return_counts`` on it, without sorting it again."""
+    n = sorted_values.size
+    starts = np.empty(n, dtype=bool)
+    if n:
+        starts[0] = True
+        np.not_equal(sorted_values[1:], sorted_values[:-1], out=starts[1:])
+    first = np.flatnonzero(starts)
+    return first, np.diff(np.append(first, n))
+
+
+def design_effect_sorted(
+    sorted_values: np.ndarray,
+    order: np.ndarray,
+    block_index: np.ndarray,
+    n_blocks: int,
+    q: float,
+    groups: tuple[np.ndarray, np.ndarray] | None = None,
+) -> float:
+    """`design_effect` of values already sorted: ``sorted_values = values[order]`` (a stable argsort),
+    ``block_index`` the dense block index of each value in the original order, ``n_blocks`` >= 2,
+    ``groups`` its `tie_groups` when the caller has them."""
+    n = sorted_values.size
+    first, counts = groups if groups is not None else tie_groups(sorted_values)
     below_share = np.clip((n * q - first) / counts, 0.0, 1.0)
     indicator = np.empty(n)
     indicator[order] = np.repeat(below_share, counts)
@@ -515,6 +575,7 @@ def quantile_band(
     deff: float = 1.0,
     n_blocks: int | None = None,
     df: float | None = None,
+    distinct: np.ndarray | None = None,
 ) -> QuantileBand:
     """The q-quantile of one arm and its one-sided bounds at ``level``, from its sorted samples.
 
@@ -526,6 +587,8 @@ def quantile_band(
     With ties (quantised latencies) a bound moves to the next distinct value
     outwards (past the last one: one resolution step, the smallest gap), since
     the latent latency of a tied value may lie anywhere in its tick.
+    ``distinct``: the distinct finite values, when the caller has them (an arm's
+    bands at several levels share them), else computed here.
     """
     y = np.asarray(sorted_values, dtype=float)
     n = int(y.size)
@@ -546,9 +609,11 @@ def quantile_band(
         l, u = block_rank_band(n, float(q), float(level), float(deff), int(n_blocks), df)
     lower = float(y[l - 1]) if 1 <= l <= n else 0.0
     upper = float(y[u - 1]) if 1 <= u <= n else math.inf
-    finite = y[np.isfinite(y)]
-    distinct = np.unique(finite)
-    tied = distinct.size < finite.size
+    finite_mask = np.isfinite(y)
+    n_finite = int(np.count_nonzero(finite_mask))
+    if distinct is None:
+        distinct = np.unique(y[finite_mask])
+    tied = distinct.size < n_finite
     # One distinct value has no resolution to widen by: the band stays degenerate (never a pass).
     if tied and distinct.size > 1:
         resolution = float(np.min(np.diff(distinct)))

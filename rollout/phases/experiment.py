@@ -10,6 +10,7 @@ from cluster.arms import BASELINE, CANARY
 from cluster.metrics import MetricsSampler, kv_stats
 from loadtests.health import percentile_ms
 from loadtests.records import RequestRecord
+from rollout.config import TWIN
 from rollout.judge.goodput import goodput_by_arm
 from rollout.phases.experiment_loop import LOAD_MARGIN_S, LOAD_STOP_TIMEOUT_S, ExperimentContext, ExperimentPhase
 from rollout.result import ExperimentSummary, SpecDecodeSummary
@@ -39,16 +40,18 @@ class Experiment:
         )
         ctx.event("experiment", "start", f"looks every {exp.requests_per_look} requests per arm")
         out = ctx.run_dir / "experiment"
+        # a twin baseline is a third pinned arm with its own share of the streams (the A/A noise floor)
+        arms = (BASELINE, CANARY, TWIN) if ctx.cfg.twin_baseline else (BASELINE, CANARY)
         traffic = ctx.traffic.pinned(
             out / "records.jsonl",
             tag="experiment",
             seed=exp.seed + 1,
-            arm_pin=f"{BASELINE},{CANARY}",
+            arm_pin=",".join(arms),
             arm_users=exp.arm_users and not exp.rate_per_replica,
-            rate=exp.rate_per_replica * 2 * replicas if exp.rate_per_replica else None,
+            rate=exp.rate_per_replica * len(arms) * replicas if exp.rate_per_replica else None,
         )
         spec = ctx.traffic.swarm_spec(
-            ctx.router.url, traffic, exp.users_per_replica * 2 * replicas, int(exp.max_duration_s + LOAD_MARGIN_S),
+            ctx.router.url, traffic, exp.users_per_replica * len(arms) * replicas, int(exp.max_duration_s + LOAD_MARGIN_S),
             out / "locust", stop_timeout_s=LOAD_STOP_TIMEOUT_S, env=ctx.router.client_env(),
         )
         if exp.web_ui:
@@ -82,6 +85,7 @@ class Experiment:
                 event=lambda event, reason: ctx.event("experiment", event, reason),
                 aborted=lambda: ctx.aborted("experiment"),
                 replicas_alive=ctx.replicas_alive,
+                twin=ctx.cfg.twin_baseline,
             )
         ).run()
 
@@ -100,12 +104,13 @@ class Experiment:
             ctx.result.spec_decode[arm] = SpecDecodeSummary(**stats.to_dict(), expected_length_by_k=expected)
         ctx.result.experiment = ExperimentSummary(
             **outcome.summary,
-            latency_ms={arm: latency_summary(records, arm) for arm in (BASELINE, CANARY)},
+            latency_ms={arm: latency_summary(records, arm) for arm in arms},
             client_tokens_per_chunk={
                 arm: _mean([r.decode_tokens_per_chunk for r in records if r.arm == arm]) for arm in (BASELINE, CANARY)
             },
             stopped_by="abort" if outcome.aborted else "max_duration_s" if outcome.capped_reason else "evidence",
             goodput=goodput_by_arm(judged, slo) if slo is not None else None,
+            noise_floor=outcome.noise_floor,
         )
         ctx.result.gates += outcome.gates
 

@@ -7,6 +7,9 @@
         at the observed information fraction min_arm(n) / `requests_per_arm`
     each look: commit the look's records, scrape /metrics (acceptance since the
         phase began), judge latency + acceptance, commit the verdicts, THEN act
+    with a twin baseline (twin_baseline): the twin is a third pinned arm with the same
+        traffic; each look also bounds the A/A TPOT p50 ratio twin / baseline (the noise
+        floor, rollout.judge.noise_floor) and the objective cannot pass while it excludes 1
     stop early when every gate is decided (after `min_looks`), at information 1,
     on an abort command, or at `max_duration_s` (INCONCLUSIVE, with the counts)
     the load then stops gracefully: records that arrive after the last look are
@@ -40,12 +43,13 @@ from rollout.judge.config import GatesConfig
 from rollout.judge.experiment_looks import (
     LookPlan,
     completed,
-    judge_look,
+    judge_look_with_floor,
     latency_samples,
     next_information,
     requests_by_arm,
     stop_after,
 )
+from rollout.judge.noise_floor import NoiseFloor
 from rollout.judge.verdicts import GateResult
 from rollout.phases.replica_watch import ReplicaWatch
 from rollout.store import RunStore
@@ -97,6 +101,7 @@ class ExperimentContext:
     aborted: Callable[[], bool]
     # replica name -> alive (a name left out: no evidence); a confirmed death ends the phase
     replicas_alive: Callable[[], dict[str, bool]] = lambda: {}
+    twin: bool = False  # a twin baseline arm gets the experiment's traffic (its A/A ratio is the noise floor)
 
 
 @dataclass
@@ -107,18 +112,20 @@ class ExperimentOutcome:
     capped_reason: str | None = None  # max_duration_s reached before the plan
     aborted: bool = False
     records: list[RequestRecord] = field(default_factory=list)
+    noise_floor: NoiseFloor | None = None  # the last look's A/A ratio twin / baseline (twin_baseline only)
 
 
 class ExperimentPhase:
     def __init__(self, ctx: ExperimentContext) -> None:
         self.ctx = ctx
-        self.plan = LookPlan.of(ctx.config)
+        self.plan = LookPlan.of(ctx.config, twin=ctx.twin)
         self.records: list[RequestRecord] = []
         self.looks_of: list[int] = []
         self.pending: list[RequestRecord] = []
         self.fractions: list[float] = []
         self.look_summaries: list[dict[str, Any]] = []
         self.gates: list[GateResult] = []
+        self.noise_floor: NoiseFloor | None = None
         self.spec_delta: dict[str, SpecDecodeStats] = {}
         self.unscraped: set[str] = set()
         self.metrics_start: dict[str, MetricsSnapshot] = {}
@@ -126,8 +133,8 @@ class ExperimentPhase:
         self.watch = ReplicaWatch(PHASE, ctx.replicas_alive)
 
     @property
-    def arms(self) -> tuple[str, str]:
-        return (BASELINE, CANARY)
+    def arms(self) -> tuple[str, ...]:
+        return self.plan.arms
 
     def say(self, message: str) -> None:
         self.ctx.say(f"experiment: {message}")
@@ -192,6 +199,7 @@ class ExperimentPhase:
             capped_reason=capped_reason,
             aborted=aborted,
             records=self.records,
+            noise_floor=self.noise_floor,
         )
 
     # -- one look --------------------------------------------------------------
@@ -209,7 +217,7 @@ class ExperimentPhase:
         self._last_look_wall = time.time()
         self._scrape_acceptance()
         canary_spec = None if CANARY in self.unscraped else self.spec_delta.get(CANARY, SpecDecodeStats())
-        self.gates = judge_look(
+        self.gates, self.noise_floor = judge_look_with_floor(
             self.records, self.looks_of, self.fractions, ctx.gates, plan, canary_spec, ctx.speculative_canary
         )
         ctx.store.put_phase_result(ctx.run_id, PHASE, look, [g.model_dump(mode="json") for g in self.gates])
@@ -217,7 +225,7 @@ class ExperimentPhase:
             "look": look,
             "at": self._last_look_wall,
             "information": round(self.fractions[-1], 4),
-            "requests": requests_by_arm(look_records),
+            "requests": requests_by_arm(look_records, self.arms),
             "verdicts": {g.name: g.verdict.value for g in self.gates},
         }
         self.look_summaries.append(summary)
@@ -230,6 +238,8 @@ class ExperimentPhase:
             f"{percentile_ms(canary.tpot_s, 50)} | acceptance length {format_or_na(acceptance_length)} | "
             + ", ".join(f"{g.name}: {g.verdict.value}" for g in self.gates)
         )
+        if self.noise_floor is not None:
+            self.say(f"look {look} noise floor: {self.noise_floor.detail}")
         ctx.event("look", f"look {look}: " + ", ".join(f"{k}={v}" for k, v in summary["verdicts"].items()))
         stop = stop_after(look, self.fractions, plan, self.gates, ctx.gates)
         if stop == "evidence":
