@@ -296,6 +296,7 @@ def install(environment: Any, settings: ConsoleSettings | None = None) -> bool:
             "paused": bool(status and status.paused),
             "problem": problem,
             "token_required": bool(settings.token),
+            "status_fetches": source.fetches,  # `status` processes started so far (the cache at work)
             "rows": console_rows(status, problem),
         })
 
