@@ -18,7 +18,9 @@ Every request becomes a `RequestRecord`; the master (or the single local process
 writes them all to `--mtp-records`. Locust's statistics get one row per arm
 ("[baseline] /v1/completions") for watching, never for judging. Each process measures
 its CPU over the test and the master the open-loop send lag; when the generator, not the
-server, limits the load, the master logs it and the records summary says so.
+server, limits the load, the master logs it and the records summary says so. With a web
+UI and a run named in its environment (loadtests.console.console_spec), the master's UI
+has a Rollout tab: the run's phase, look, gates and canary weight, and Promote / Abort.
 """
 
 from __future__ import annotations
@@ -51,7 +53,7 @@ from locust.runners import (  # noqa: E402
     WorkerRunner,
 )
 
-from loadtests import shapes  # noqa: E402  (the module: a shape class here would always run)
+from loadtests import console, shapes  # noqa: E402  (the module: a shape class here would always run)
 from loadtests.collection import (  # noqa: E402
     FLUSH_REQUEST_MESSAGE,
     FLUSHED_MESSAGE,
@@ -180,6 +182,8 @@ def _on_init(environment: Environment, **_kwargs) -> None:
     except ValueError as exc:
         logger.error("invalid load test options: %s", exc)
         sys.exit(2)
+    if console.install(environment):  # only with a web UI and a run to show (console_spec)
+        logger.info("rollout console: the %r tab of the web UI", console.TAB_TITLE)
     collector = RecordCollector(options.records, cpu_warn_pct=options.cpu_warn_pct, lag_warn_ms=options.lag_warn_ms)
     _process.collector = collector
     _process.flush_timeout_s = options.flush_timeout_s

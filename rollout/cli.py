@@ -89,6 +89,9 @@ def run_config(args: argparse.Namespace) -> RolloutConfig:
         "window_s": args.window_s,
         "requests_per_arm": args.requests_per_arm,
         "max_duration_s": args.max_duration_s,
+        "web_ui": True if args.web_ui else None,
+        "web_host": args.web_host,
+        "web_port": args.web_port,
     }
     updates = {key: value for key, value in overrides.items() if value is not None}
     if updates or args.ray_address:
@@ -454,6 +457,11 @@ def build_parser() -> argparse.ArgumentParser:
     run.add_argument("--requests-per-arm", type=int, default=None, help="override experiment.requests_per_arm")
     run.add_argument("--max-duration-s", type=float, default=None, help="override experiment.max_duration_s")
     run.add_argument("--eval-limit", type=int, default=None, help="override accuracy.limit")
+    run.add_argument("--web-ui", action="store_true",
+                     help="serve Locust's web UI with the Rollout console tab (experiment.web_ui) until the rollout ends")
+    run.add_argument("--web-port", type=int, default=None, metavar="P", help="override experiment.web_port (default 8089)")
+    run.add_argument("--web-host", default=None, metavar="HOST",
+                     help="override experiment.web_host, the interface the web UI binds (default 127.0.0.1)")
     run.add_argument("--junit", default=None, metavar="FILE", help="also write the run's junit.xml to FILE (for CI)")
     run.add_argument("--decision-out", default=None, metavar="FILE", help="also write the run's decision.json to FILE")
     run.set_defaults(func=_cmd_run)

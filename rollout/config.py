@@ -207,8 +207,14 @@ class ExperimentConfig(BaseModel):
         "cpu.<limit>, tiny_model.<option> (tiny_model.draft_noise), extra_args:--<flag> (extra_args:--max-num-seqs, "
         "any spelling vLLM reads as that flag), env:<NAME>; a group (extra_args, env, cpu, tiny_model) covers all of it",
     )
-    web_ui: bool = Field(False, description="serve Locust's web UI while the experiment runs")
-    web_port: int = Field(8089, ge=1, le=65535)
+    web_ui: bool = Field(
+        False,
+        description="serve Locust's web UI, with the Rollout console tab (phase, look, gates, canary weight, "
+        "Promote / Abort), from the experiment's first request to the end of the progressive phase (whose own "
+        "Locust master serves it again at the same address; `run --web-ui`)",
+    )
+    web_host: str = Field("127.0.0.1", min_length=1, description="interface the web UI binds (`run --web-host`)")
+    web_port: int = Field(8089, ge=1, le=65535, description="port of the web UI (`run --web-port`)")
     seed: int = 0
 
     @field_validator("worker_placement")

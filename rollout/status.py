@@ -45,6 +45,8 @@ def run_status(store: RunStore, run_id: str) -> dict | None:
                 "verdict": gate.verdict.value,
                 "canary": gate.canary,
                 "threshold": gate.threshold,
+                "estimate": gate.estimate,
+                "interval": list(gate.interval) if gate.interval is not None else None,
                 "detail": gate.detail,
             }
             if step is not None:

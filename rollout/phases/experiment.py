@@ -8,12 +8,14 @@ import numpy as np
 
 from cluster.arms import BASELINE, CANARY
 from cluster.metrics import MetricsSampler, kv_stats
+from loadtests.console import TAB_TITLE, console_spec
 from loadtests.health import percentile_ms
 from loadtests.records import RequestRecord
 from rollout.config import TWIN
 from rollout.judge.goodput import goodput_by_arm
 from rollout.phases.experiment_loop import LOAD_MARGIN_S, LOAD_STOP_TIMEOUT_S, ExperimentContext, ExperimentPhase
 from rollout.result import ExperimentSummary, SpecDecodeSummary
+from loadtests.swarm import SwarmSpec
 from rollout.run_context import RunContext
 
 
@@ -54,8 +56,7 @@ class Experiment:
             ctx.router.url, traffic, exp.users_per_replica * len(arms) * replicas, int(exp.max_duration_s + LOAD_MARGIN_S),
             out / "locust", stop_timeout_s=LOAD_STOP_TIMEOUT_S, env=ctx.router.client_env(),
         )
-        if exp.web_ui:
-            ctx.say(f"experiment: Locust web UI at http://{spec.web_host}:{spec.web_port} until the last look")
+        spec = with_console(ctx, spec, "experiment")
         # KV usage is a gauge: its peak and mean need samples between the looks (cluster.metrics)
         sampler = MetricsSampler(ctx.fleet.metrics, every_s=KV_SAMPLE_EVERY_S).start()
         try:
@@ -113,6 +114,17 @@ class Experiment:
             noise_floor=outcome.noise_floor,
         )
         ctx.result.gates += outcome.gates
+
+
+def with_console(ctx: RunContext, spec: SwarmSpec, phase: str) -> SwarmSpec:
+    """With experiment.web_ui: `spec` serving Locust's web UI and the run's Rollout console tab at
+    the configured address (the experiment's master, then the progressive load's at the same URL)."""
+    exp = ctx.cfg.experiment
+    if not exp.web_ui:
+        return spec
+    ctx.say(f"{phase}: Locust web UI at http://{exp.web_host}:{exp.web_port} (the {TAB_TITLE} tab: "
+            f"phase, looks, gates, canary weight, Promote / Abort) while the {phase}'s load runs")
+    return console_spec(spec, ctx.run_id, ctx.run_dir.parent, host=exp.web_host, port=exp.web_port)
 
 
 def latency_summary(records: list[RequestRecord], arm: str) -> dict[str, float | None]:

@@ -10,6 +10,7 @@ from typing import Any
 from cluster.load_runner import start_load_runner
 from cluster.ray_cluster import find_actor, kill_quietly
 from rollout.judge.verdicts import Decision, GateResult
+from rollout.phases.experiment import with_console
 from rollout.phases.progressive_context import ProgressiveContext
 from rollout.phases.progressive_steps import run_progressive
 from rollout.result import ProgressiveSummary
@@ -101,6 +102,9 @@ class Progressive:
     def _start_load(ctx: RunContext, spec) -> Any:
         """The progressive load's LoadRunner: named per attempt, detached, leased."""
         name = load_name(ctx.attempt)
+        # a load of its own (detached, so it outlives the controller): its master serves the
+        # console again at the URL the experiment's had
+        spec = with_console(ctx, spec, "progressive")
         actor = start_load_runner(spec, name=name, namespace=ctx.namespace, placement=ctx.cfg.experiment.worker_placement,
                                   lease_s=ctx.cfg.lease_s)
         ctx.leased[name] = actor

@@ -17,6 +17,7 @@ from loadtests.swarm import Swarm, SwarmProgress, SwarmResult, SwarmSpec
 from rollout.crossover import AdaptivePolicy, LevelResult, crossing, next_level
 from rollout.load_sweep import level_results, summarize_sweep
 from rollout.result import SweepCrossover, SweepRow
+from rollout.phases.experiment import with_console
 from rollout.run_context import RunContext
 
 PROGRESS_EVERY_S = 15
@@ -134,6 +135,7 @@ class Sweep:
         )
         spec = ctx.traffic.swarm_spec(ctx.router.url, traffic, round(top_level * 2 * replicas), None, log_dir,
                                       env=ctx.router.client_env())
+        spec = with_console(ctx, spec, "sweep")  # the web UI and its Rollout tab at the same address
         last = [0.0]
 
         def on_progress(p: SwarmProgress) -> None:
