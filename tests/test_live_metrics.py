@@ -124,7 +124,7 @@ def test_the_endpoint_follows_the_run_look_by_look_and_serves_the_decision(local
             time.sleep(0.2)
         runner.join(10)
     result = results[0]
-    assert result.decision.value == "promote" and result.error is None, (result.reason, lines[-10:])
+    assert result.decision is not None and result.decision.value == "promote" and result.error is None, (result.error, result.reason, lines[-10:])
 
     during = [s for s in scrapes if value(s, "mtp_canary_phase", phase="experiment") == 1]
     assert during, "no scrape while the experiment ran"

@@ -94,6 +94,7 @@ class Experiment:
     def _summarize(ctx: RunContext, outcome) -> None:
         ctx.experiment_capped = outcome.capped_reason
         records = outcome.records
+        arms = (BASELINE, CANARY, TWIN) if ctx.cfg.twin_baseline else (BASELINE, CANARY)
         slo = ctx.cfg.gates.goodput_slo
         # goodput over the judged records (those after the last look have no verdict), as the goodput gate counts
         judged = records[: len(records) - outcome.summary["records_after_last_look"]]
