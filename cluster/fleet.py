@@ -409,7 +409,11 @@ class Fleet:
         if not self.logs_back_to or not self.replicas:
             return
         target = Path(self.logs_back_to)
-        target.mkdir(parents=True, exist_ok=True)
+        try:
+            target.mkdir(parents=True, exist_ok=True)
+        except OSError as exc:
+            self.progress(f"fleet: teardown: replica logs not copied back: {exc}")
+            return
         refs = []
         for r in self.replicas:
             try:
@@ -426,7 +430,10 @@ class Fleet:
                               f"{type(exc).__name__}: {why}")
                 continue
             text = data.decode("utf-8", errors="replace")
-            (target / f"{r.name}.log").write_text(self.redact_log(text) if self.redact_log else text, encoding="utf-8")
+            try:  # a full disk must not keep teardown from freeing the replicas and their GPUs
+                (target / f"{r.name}.log").write_text(self.redact_log(text) if self.redact_log else text, encoding="utf-8")
+            except Exception as exc:
+                self.progress(f"fleet: teardown: the log of replica {r.name} was not written back: {type(exc).__name__}: {exc}")
 
     def __enter__(self) -> "Fleet":
         return self

@@ -243,10 +243,12 @@ def stage_on_nodes(
             node = pending.pop(ref)
             try:
                 results = ray.get(ref)
-            except ray.exceptions.RayTaskError as exc:
-                cause = exc.cause if isinstance(exc.cause, StagingError) else exc
-                raise StagingError(str(cause).strip().splitlines()[-1][:600]) from None
             except ray.exceptions.RayError as exc:
+                for other in pending:  # the other nodes' downloads would go on holding the cache lock
+                    ray.cancel(other, force=True)
+                if isinstance(exc, ray.exceptions.RayTaskError):
+                    cause = exc.cause if isinstance(exc.cause, StagingError) else exc
+                    raise StagingError(str(cause).strip().splitlines()[-1][:600]) from None
                 raise StagingError(f"staging on node {ips.get(node, '?')} ({node[:12]}) did not run: "
                                    f"{type(exc).__name__}: {exc}"[:600]) from None
             for weights in results:

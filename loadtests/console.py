@@ -235,6 +235,9 @@ def send_command(settings: ConsoleSettings, command: str,
     return done.returncode == 0, said or f"mtp-canary {command} exited with code {done.returncode}"
 
 
+LOOPBACK_HOSTS = frozenset({"localhost", "127.0.0.1", "::1"})
+
+
 def refusal(headers: Any, host: str, token: str | None) -> tuple[int, str] | None:
     """Why a command request must be refused (status, message), or None.
 
@@ -242,6 +245,10 @@ def refusal(headers: Any, host: str, token: str | None) -> tuple[int, str] | Non
     so a request whose Origin is not this UI, or without the console's own header, is
     refused; with a router token, the command needs it as a bearer token."""
     origin = headers.get("Origin")
+    # DNS rebinding: a page at evil.example resolving to 127.0.0.1 sends a matching Origin and
+    # Host, so without a token only a loopback Host is this console
+    if not token and (urlsplit(f"//{host}").hostname or "") not in LOOPBACK_HOSTS:
+        return 403, f"without a router token, commands are accepted through a loopback address only (Host {host})"
     if origin and urlsplit(origin).netloc != host:
         return 403, f"commands are accepted from this console only (Origin {origin})"
     if headers.get("X-MTP-Console") != "1":

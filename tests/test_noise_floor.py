@@ -160,3 +160,18 @@ def test_without_a_twin_the_look_is_judged_as_before(seed):
     for name, gate in plain.items():
         assert with_twin_records[name].verdict == gate.verdict
         assert with_twin_records[name].interval == gate.interval
+
+
+def test_a_pass_against_the_baseline_alone_is_not_enough_the_twin_must_agree():
+    """Rule (intersection): an A/A interval that contains 1 lets the objective pass only if it also
+    passes with the twin as the reference; a missing or undecided twin comparison blocks it."""
+    recs, looks_of = records(4, {BASELINE: 1.0, CANARY: 0.7, TWIN_ARM: 1.0})
+    gates, floor = judge_all(recs, looks_of, twin=True)
+    assert floor is not None and not floor.blocks_pass and gates[OBJECTIVE_NAME].verdict is Verdict.PASS
+    objective = gates[OBJECTIVE_NAME]
+    undecided = objective.model_copy(update={"verdict": Verdict.INCONCLUSIVE, "detail": "interval straddles the bar"})
+    for against_twin in (undecided, None):
+        out = {g.name: g for g in apply_noise_floor(list(gates.values()), floor, against_twin)}
+        assert out[OBJECTIVE_NAME].verdict is Verdict.INCONCLUSIVE and "Against the twin" in out[OBJECTIVE_NAME].detail
+    kept = {g.name: g for g in apply_noise_floor(list(gates.values()), floor, objective)}
+    assert kept[OBJECTIVE_NAME].verdict is Verdict.PASS

@@ -364,3 +364,16 @@ def test_the_console_answers_at_one_url_from_the_experiment_through_the_progress
     down = [(asked, answered) for asked, answered, doc in polls if doc is None and asked > looks[-1]["at"]]
     print(f"console URL unanswered by {len(down)} polls (0.5 s apart) between the experiment's master and the "
           f"progressive load's" + (f", {down[0][0]:.1f} to {down[-1][1]:.1f}" if down else ""))
+
+
+def test_a_rebound_host_name_cannot_command_a_console_without_a_token():
+    """DNS rebinding: evil.example resolving to 127.0.0.1 sends a matching Origin and Host; without a
+    router token only a loopback Host is this console."""
+    from loadtests.console import refusal
+
+    own = {"X-MTP-Console": "1"}
+    assert refusal({**own, "Origin": "http://evil.example:8089"}, "evil.example:8089", None)[0] == 403
+    assert refusal({**own, "Origin": "http://127.0.0.1:8089"}, "127.0.0.1:8089", None) is None
+    assert refusal(own, "localhost:8089", None) is None
+    # with a token, the token is the guard whatever the name
+    assert refusal({**own, "Authorization": "Bearer t0k"}, "canary.example:8089", "t0k") is None

@@ -104,11 +104,12 @@ def apply_noise_floor(
                     "verdict": Verdict.INCONCLUSIVE,
                     "detail": f"Noise floor: {floor.detail} (it would pass on its own: {gate.detail})",
                 })
-            elif gate.verdict is Verdict.PASS and against_twin is not None and against_twin.verdict is not Verdict.PASS:
+            elif gate.verdict is Verdict.PASS and (against_twin is None or against_twin.verdict is not Verdict.PASS):
                 gate = gate.model_copy(update={
                     "verdict": Verdict.INCONCLUSIVE,
                     "detail": f"Noise floor: {floor.detail} Against the twin the objective is "
-                    f"{against_twin.verdict.value} ({against_twin.detail}); against the baseline: {gate.detail}",
+                    + (f"{against_twin.verdict.value} ({against_twin.detail})" if against_twin else "not judged")
+                    + f"; against the baseline: {gate.detail}",
                 })
             else:
                 gate = gate.model_copy(update={"detail": f"{gate.detail} Noise floor: {floor.detail}"})

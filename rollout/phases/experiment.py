@@ -8,15 +8,16 @@ import numpy as np
 
 from cluster.arms import BASELINE, CANARY
 from cluster.metrics import MetricsSampler, kv_stats
+from cluster.router_limits import is_loopback
 from loadtests.console import TAB_TITLE, console_spec
 from loadtests.health import percentile_ms
 from loadtests.records import RequestRecord
+from loadtests.swarm import SwarmSpec
 from rollout.config import TWIN
 from rollout.judge.goodput import goodput_by_arm
 from rollout.phases.experiment_loop import LOAD_MARGIN_S, LOAD_STOP_TIMEOUT_S, ExperimentContext, ExperimentPhase
 from rollout.result import ExperimentSummary, SpecDecodeSummary
-from loadtests.swarm import SwarmSpec
-from rollout.run_context import RunContext
+from rollout.run_context import InfrastructureError, RunContext
 
 
 KV_SAMPLE_EVERY_S = 5.0
@@ -123,6 +124,12 @@ def with_console(ctx: RunContext, spec: SwarmSpec, phase: str) -> SwarmSpec:
     exp = ctx.cfg.experiment
     if not exp.web_ui:
         return spec
+    if not is_loopback(exp.web_host) and not ctx.router.client_env():
+        # the console's Promote / Abort would answer anyone who reaches the port
+        raise InfrastructureError(
+            f"experiment.web_host {exp.web_host} is beyond loopback and the run has no router token: set "
+            f"{ctx.cfg.router.auth_token_env} (the console's buttons then need it) or serve the UI on 127.0.0.1"
+        )
     ctx.say(f"{phase}: Locust web UI at http://{exp.web_host}:{exp.web_port} (the {TAB_TITLE} tab: "
             f"phase, looks, gates, canary weight, Promote / Abort) while the {phase}'s load runs")
     return console_spec(spec, ctx.run_id, ctx.run_dir.parent, host=exp.web_host, port=exp.web_port)
