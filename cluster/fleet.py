@@ -360,6 +360,10 @@ class Fleet:
         cannot answer (gone, or an earlier version adopted by a resumed run) is left out."""
         return self._ask_every_replica("log_lines_with", (needles,), "server log not read")
 
+    def environments(self) -> dict[str, dict]:
+        """replica name -> its node, GPUs and package versions (cluster.replica_environment), read on its node."""
+        return self._ask_every_replica("environment", (), "environment not read")
+
     def _ask_every_replica(self, method: str, args: tuple, failed: str) -> dict[str, Any]:
         """replica name -> the answer of its actor's `method(*args)`, all asked at once; a replica
         whose actor cannot answer (gone, or of an earlier version without `method`: the handle

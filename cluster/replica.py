@@ -33,6 +33,7 @@ from cluster.lease import Lease
 from cluster.log_cause import failure_cause
 from cluster.metrics import MetricsSnapshot, parse_metrics
 from cluster.reaper import start_watchdog, stop_group
+from cluster.replica_environment import collect as collect_environment
 
 # Engine warnings worth a line in the report. The first is the MiMo-V2 MTP
 # layer reuse (vLLM loads MTP layer 0 only and runs it k times).
@@ -145,6 +146,12 @@ class VLLMReplicaServer:
     def where(self) -> tuple[str, str]:
         """(node id, node IP) of this actor: where its server runs and its log lies."""
         return ray.get_runtime_context().get_node_id(), ray.util.get_node_ip_address()
+
+    def environment(self) -> dict:
+        """This replica's node, GPUs and package versions (cluster.replica_environment), as JSON."""
+        gpu_ids = [str(g) for g in ray.get_gpu_ids()] if self.spec.device == "gpu" else None
+        node_id, node_ip = self.where() if ray.is_initialized() else (None, None)
+        return collect_environment(node_ip, node_id, gpu_ids).model_dump(mode="json")
 
     def use_staged_weights(self, path: str) -> None:
         """Load the weights staged on this node at `path`, offline (cluster.staging); before launch()."""

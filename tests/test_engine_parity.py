@@ -352,6 +352,7 @@ def test_a_replica_reads_its_own_launch_s_lines_and_preflight_records_them_per_a
     fleet = SimpleNamespace(
         replicas=[SimpleNamespace(name="baseline-0", arm="baseline"), SimpleNamespace(name="canary-0", arm="canary")],
         log_lines_with=lambda needles: {"canary-0": replica.log_lines_with(needles)},  # baseline-0 not read
+        environments=lambda: {"baseline-0": replica.environment()},  # canary-0's actor did not answer
     )
     ctx = SimpleNamespace(fleet=fleet, result=SimpleNamespace(arms={"baseline": {"replicas": 1}, "canary": {"replicas": 1}}))
     Preflight._record_servers(ctx)
@@ -359,6 +360,10 @@ def test_a_replica_reads_its_own_launch_s_lines_and_preflight_records_them_per_a
     server = ctx.result.arms["canary"]["servers"]["canary-0"]
     assert server["vllm_version"] == "0.32.0" and server["non_default_args"]["port"] == 53931
     assert server["non_default_args"]["speculative_config"] == K3 and server["unparsed"] is None
+    # the node and packages each replica read on its node, also only where it answered
+    assert "environment" not in ctx.result.arms["canary"]
+    env = ctx.result.arms["baseline"]["environment"]["baseline-0"]
+    assert env["packages"]["vllm"] and env["gpu_ids"] is None and env["cpu_model"]
 
 
 def test_every_cpu_limit_can_be_declared_under_test():

@@ -18,6 +18,7 @@ import pytest
 import yaml
 
 from cluster.metrics import KvCacheStats
+from cluster.replica_environment import ReplicaEnvironment
 from rollout.config import parse_config
 from rollout.crossover import LevelResult, crossing
 from rollout.judge.config import GatesConfig
@@ -61,6 +62,7 @@ ADDED_SERVER_FIELDS = {"vllm_version": None, "non_default_args": {}, "unparsed":
 ADDED_KV_FIELDS = KvCacheStats().to_dict()
 
 
+
 def recorded_document(run: str) -> dict:
     """A recorded run's decision.json as a run today writes it (fields added since take their defaults)."""
     doc = json.loads((RECORDED / run / "decision.json").read_text())
@@ -82,6 +84,8 @@ def recorded_document(run: str) -> dict:
     if doc.get("preflight"):
         for arm, record in doc["arms"].items():
             record.setdefault("servers", {f"{arm}-{i}": dict(ADDED_SERVER_FIELDS) for i in range(record["replicas"])})
+            record.setdefault("environment", {f"{arm}-{i}": ReplicaEnvironment().model_dump(mode="json")
+                                              for i in range(record["replicas"])})
     return doc
 
 

@@ -1,7 +1,8 @@
 """Preflight: every replica answers a smoke request, /metrics scrapes, and a speculative
 canary really drafts (fail closed: a speculative config that never drafts is not the
 config under test). Engine warnings are recorded, and what each server says it runs with
-(its vLLM version and non-default args: decision.json arms.<arm>.servers.<replica>).
+(its vLLM version and non-default args: decision.json arms.<arm>.servers.<replica>; its node,
+GPUs and package versions: arms.<arm>.environment.<replica>).
 
 The arms' configured engines were compared before anything started (rollout.engine_parity,
 called by the config's validation): here only what the servers logged is recorded."""
@@ -62,10 +63,15 @@ class Preflight:
         """Each replica's vLLM version and non-default args, as its log says (a record for
         comparing what the engines really ran with; a replica not read is left out)."""
         lines = ctx.fleet.log_lines_with(SERVER_LOG_NEEDLES)
+        environments = ctx.fleet.environments()  # node, GPUs, driver, CUDA, NCCL, torch, vLLM, Ray
         for handle in ctx.fleet.replicas:
-            if handle.name in lines and handle.arm in ctx.result.arms:
+            if handle.arm not in ctx.result.arms:
+                continue
+            if handle.name in lines:
                 run = engine_run_from_log(lines[handle.name])
                 ctx.result.arms[handle.arm].setdefault("servers", {})[handle.name] = run.model_dump(mode="json")
+            if handle.name in environments:
+                ctx.result.arms[handle.arm].setdefault("environment", {})[handle.name] = environments[handle.name]
 
     @staticmethod
     def _smoke(handle, model: str, api_key: str | None) -> int:
