@@ -426,6 +426,12 @@ class RolloutConfig(BaseModel):
                     if key in arm.engine.env:
                         raise ValueError(f"{side}.engine.env.{key}: with model_cache the weights are staged with the "
                                          f"job's runtime environment; set {key} there (--runtime-env-json env_vars)")
+                # staging fetches the hub's default revision: a pinned one would be served from the
+                # wrong files (both arms alike, so the comparison would not even show it)
+                for arg in arm.engine.extra_args:
+                    if arg.split("=", 1)[0] in ("--revision", "--code-revision", "--tokenizer-revision"):
+                        raise ValueError(f"{side}.engine.extra_args: {arg.split('=', 1)[0]} with model_cache: staging "
+                                         "fetches the default revision; pin it by staging that revision into the cache")
         return self
 
     @model_validator(mode="after")

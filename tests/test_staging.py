@@ -247,3 +247,16 @@ def test_a_hub_token_in_an_engines_env_with_model_cache_is_refused_naming_the_fi
         parse_config(cfg)
     assert "baseline.engine.env.HF_TOKEN" in str(bad.value) and "runtime-env" in str(bad.value)
     assert "hf_not_here" not in str(bad.value)
+
+
+def test_a_pinned_revision_with_model_cache_is_refused_naming_the_field():
+    from rollout.config import ConfigError, parse_config
+
+    cfg = plan_config("/abs").model_dump(mode="json")
+    for side in ("baseline", "canary"):
+        cfg[side]["engine"]["extra_args"] = ["--revision=abc123"]
+    with pytest.raises(ConfigError) as bad:
+        parse_config(cfg)
+    assert "baseline.engine.extra_args" in str(bad.value) and "--revision" in str(bad.value)
+    cfg.pop("model_cache")  # without staging vLLM fetches the pinned revision itself
+    assert parse_config(cfg).baseline.engine.extra_args == ["--revision=abc123"]
