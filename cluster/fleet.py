@@ -79,6 +79,8 @@ class Fleet:
     arms: list[ArmSpec]
     log_dir: str
     progress: Progress = print
+    # (replicas ready, replicas in all) each time one more is ready: a progress bar's feed
+    on_ready: Callable[[int, int], None] | None = None
     actor_name_prefix: str | None = None  # named actors let a later process reattach
     namespace: str | None = None
     # detached (needs a name prefix): the replicas outlive this driver (resume after a crash);
@@ -255,6 +257,8 @@ class Fleet:
                 if st.state == ReplicaState.READY and st.name not in reported_ready:
                     reported_ready.add(st.name)
                     self.progress(f"fleet: {st.name} ready at {st.url} after {st.elapsed_s:.0f} s")
+                    if self.on_ready is not None:
+                        self.on_ready(len(reported_ready), len(self.replicas))
             failed = [st for st in statuses if st.state == ReplicaState.FAILED]
             if failed:
                 st = failed[0]

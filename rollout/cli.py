@@ -133,8 +133,16 @@ def _start_run(config: RolloutConfig, args: argparse.Namespace) -> int:
     copies = _pipeline_copies(args)
     if copies is None:
         return EXIT_USAGE
-    controller = Controller(config, runs_dir=runs_dir, run_id=args.run_id, progress=lambda m: print(m, flush=True))
-    return _drive(controller, copies)
+    display = _progress_display()
+    controller = Controller(config, runs_dir=runs_dir, run_id=args.run_id, progress=display)
+    return _drive(controller, copies, display)
+
+
+def _progress_display():
+    """Bars on a terminal, plain lines in a pipeline's log (rollout.progress_display)."""
+    from rollout.progress_display import progress_for
+
+    return progress_for(sys.stdout)
 
 
 def _pipeline_copies(args: argparse.Namespace) -> dict[str, Path] | None:
@@ -162,7 +170,7 @@ def _copy_out(run_dir: Path, copies: dict[str, Path]) -> bool:
     return ok
 
 
-def _drive(controller, copies: dict[str, Path] | None = None) -> int:
+def _drive(controller, copies: dict[str, Path] | None = None, display=None) -> int:
     """Run a controller to its end, copy its pipeline files where asked (`copies`); its exit
     code (130 when interrupted; 1 when a decided run's file could not be copied)."""
     # SIGTERM (e.g. `ray job stop`) takes the same path as Ctrl-C: tear down, then exit.
@@ -172,6 +180,9 @@ def _drive(controller, copies: dict[str, Path] | None = None) -> int:
     except KeyboardInterrupt:
         print("mtp-canary: interrupted; replicas, router and Locust stopped", file=sys.stderr)
         return 130
+    finally:
+        if display is not None:
+            display.close()  # the bars stop before the last lines: a pipeline reads the last one
     decision = result.decision.value if result.decision and not result.error else "error"
     from rollout.result import EXIT_INFRASTRUCTURE
 
@@ -210,8 +221,10 @@ def _cmd_resume(args: argparse.Namespace) -> int:
     config = _resume_config(args, run)
     if config is None:
         return EXIT_USAGE
+    display = _progress_display()
     return _drive(
-        Controller(config, runs_dir=Path(args.runs_dir), run_id=args.run_id, progress=lambda m: print(m, flush=True), resume=True)
+        Controller(config, runs_dir=Path(args.runs_dir), run_id=args.run_id, progress=display, resume=True),
+        display=display,
     )
 
 

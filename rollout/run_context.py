@@ -199,6 +199,13 @@ class RunContext:
     def say(self, message: str) -> None:
         self.progress(f"[{time.strftime('%H:%M:%S')}] {message}")
 
+    def tick(self, task: str, done: int, total: int) -> None:
+        """Where a sized task stands (a bar on a terminal: rollout.progress_display); a progress
+        callable without `advance` (a plain function, a test's list.append) only gets lines."""
+        advance = getattr(self.progress, "advance", None)
+        if advance is not None:
+            advance(task, done, total)
+
     def event(self, phase: str, event: str, reason: str = "") -> None:
         entry = self.store.add_event(self.run_id, phase, event, reason, canary_weight=self.canary_weight)
         self.result.timeline.append(entry)

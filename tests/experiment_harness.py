@@ -72,8 +72,10 @@ def run_experiment(
     replica_arms: dict[str, str] | None = None,
     speculative_canary: bool = False,
     replicas_alive: Callable[[], dict[str, bool | None]] = lambda: {},
+    ticks: list[tuple[str, int, int]] | None = None,
 ):
-    """(outcome, store, progress lines) of one experiment phase through `router_url`."""
+    """(outcome, store, progress lines) of one experiment phase through `router_url`; `ticks`
+    gets the progress bar's feed."""
     store = RunStore(tmp_path / "history.db")
     store.create_run("exp", "test", "target", {})
     out = tmp_path / "experiment"
@@ -93,6 +95,7 @@ def run_experiment(
             scrape=scrape, replica_arms=replica_arms or {}, router=RouterClient(router, router_url),
             speculative_canary=speculative_canary, say=lines.append, event=lambda event, reason: None,
             aborted=lambda: False, replicas_alive=replicas_alive,
+            tick=(lambda *tick: ticks.append(tick)) if ticks is not None else (lambda task, done, total: None),
         )
     )
     return phase.run(), store, lines

@@ -90,9 +90,13 @@ def test_a_big_effect_stops_early_and_every_request_has_one_record(local_ray, tm
             TargetProcess(ttft_ms=20, tpot_ms=8, tpot_jitter=0.3, seed=2) as canary:
         with routed(baseline.url, canary.url) as (router, url):
             before = sum(RouterClient(router, url).request_counts().values())
-            outcome, store, lines = run_experiment(tmp_path, router, url, exp, GATES)
+            ticks: list[tuple[str, int, int]] = []
+            outcome, store, lines = run_experiment(tmp_path, router, url, exp, GATES, ticks=ticks)
             received = sum(RouterClient(router, url).request_counts().values()) - before
     summary = outcome.summary
+    # the progress bar follows the fewest-requests arm against the plan, never backwards
+    done = [d for task, d, total in ticks if task.startswith("experiment requests") and total == exp.requests_per_arm]
+    assert done and done == sorted(done) and done[-1] >= exp.requests_per_look, ticks[-3:]
     assert verdicts(outcome)["tpot_p50_improvement"] == Verdict.PASS
     # shown before the plan's end, and the phase stops there: not at look 1 (one look is one
     # block, and a level shared by a look's requests cannot be told from the effect: the latency

@@ -119,6 +119,7 @@ class Accuracy:
                 ctx.run_id, "accuracy", look, [accuracy_gate.model_dump(mode="json"), divergence_gate.model_dump(mode="json")]
             )
             done = len(outcomes[BASELINE])
+            ctx.tick("accuracy items", done, len(items))
             acc = {arm: np.mean([o.correct for o in outcomes[arm]]) for arm in arms}
             ctx.say(
                 f"accuracy: {done}/{len(items)} items | "

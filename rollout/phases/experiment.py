@@ -88,6 +88,7 @@ class Experiment:
                 aborted=lambda: ctx.aborted("experiment"),
                 replicas_alive=ctx.replicas_alive,
                 twin=ctx.cfg.twin_baseline,
+                tick=ctx.tick,
             )
         ).run()
 

@@ -102,6 +102,7 @@ class ExperimentContext:
     # replica name -> alive (a name left out: no evidence); a confirmed death ends the phase
     replicas_alive: Callable[[], dict[str, bool]] = lambda: {}
     twin: bool = False  # a twin baseline arm gets the experiment's traffic (its A/A ratio is the noise floor)
+    tick: Callable[[str, int, int], None] = lambda task, done, total: None  # a progress bar's feed
 
 
 @dataclass
@@ -176,6 +177,8 @@ class ExperimentPhase:
                     capped_reason = self._capped_reason(totals)
                     self.say(capped_reason)
                     break
+                # the bar follows the arm with the fewest requests: the plan ends when it reaches requests_per_arm
+                ctx.tick("experiment requests (fewest arm)", min(totals.values()), plan.requests_per_arm)
                 if now >= next_progress:
                     next_progress = now + PROGRESS_EVERY_S
                     self.say(

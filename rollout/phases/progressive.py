@@ -77,6 +77,7 @@ class Progressive:
             set_canary_weight=lambda weight, reason: ctx.set_canary_weight(weight, "progressive", reason),
             event=lambda event, reason: ctx.event("progressive", event, reason),
             say=lambda message: ctx.say(f"progressive: {message}"),
+            tick=ctx.tick,
             scrape=ctx.fleet.metrics,
             replica_arms=ctx.replica_arms(),
             replicas_alive=ctx.replicas_alive,

@@ -42,6 +42,7 @@ class ProgressiveContext:
     # resume: an earlier attempt's LoadRunner still running (stopped gracefully, its records stored)
     previous_load: Any = None
     master_bind_host: str = "127.0.0.1"  # 0.0.0.0 when Locust workers run on other nodes
+    tick: Callable[[str, int, int], None] = lambda task, done, total: None  # a progress bar's feed
 
 
 @dataclass

@@ -146,6 +146,7 @@ class StepRunner:
             self.pause(i, step)
         # committed before the next step begins: a resumed run starts after the last step_done
         ctx.event("step_done", f"step {i + 1}/{n_steps} done")
+        ctx.tick("progressive steps", i + 1, n_steps)
         counts_after = ctx.router.request_counts(with_rejected=False)
         sent_in_step = [r for r in step_records if r.sent_at >= step_started]
         self.split.append(step_split(i, step.canary_weight, counts_before, counts_after, sent_in_step))

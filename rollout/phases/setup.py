@@ -131,6 +131,7 @@ class StartFleet:
             arms,
             log_dir=str(ctx.run_dir / "logs"),
             progress=ctx.say,
+            on_ready=lambda ready, total: ctx.tick("replicas ready", ready, total),
             bind_host=cfg.ray.bind_host,
             actor_name_prefix="replica-",
             namespace=ctx.namespace,

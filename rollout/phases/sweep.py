@@ -139,6 +139,7 @@ class Sweep:
         last = [0.0]
 
         def on_progress(p: SwarmProgress) -> None:
+            ctx.tick(f"sweep at {steps} streams (s)", round(p.elapsed_s), round(spec.duration_s))
             if p.elapsed_s - last[0] >= PROGRESS_EVERY_S:
                 last[0] = p.elapsed_s
                 ctx.say(f"sweep: {p.phase} {p.elapsed_s:.0f}/{spec.duration_s:.0f} s, {p.requests_done} requests done")
