@@ -299,9 +299,9 @@ def fetch_decision(outcome: Outcome, fetch_dir: Path | None, decision_out: Path 
             return EXIT_INFRASTRUCTURE
         return outcome.exit_code  # an error or a bad config: no decision was expected
     run_id = str(doc["run_id"])
-    if outcome.run_dir and Path(outcome.run_dir).name != run_id:
-        print(f"mtp-canary submit: the log's decision.json is run {run_id!r}, the run's last line names "
-              f"{outcome.run_dir!r}; exit 1", file=sys.stderr)
+    mismatch = _log_disagrees(doc, outcome)
+    if mismatch:
+        print(f"mtp-canary submit: {mismatch}; exit 1", file=sys.stderr)
         return EXIT_INFRASTRUCTURE
     target = fetch_dir if fetch_dir is not None else Path("runs") / run_id
     text = json.dumps(doc, indent=2) + "\n"
@@ -319,6 +319,25 @@ def fetch_decision(outcome: Outcome, fetch_dir: Path | None, decision_out: Path 
     print(f"mtp-canary submit: decision.json of run {run_id} ({doc.get('decision') or 'error'}) -> "
           f"{target / 'decision.json'}", file=sys.stderr)
     return outcome.exit_code
+
+
+def _log_disagrees(doc: dict, outcome: Outcome) -> str:
+    """Why the log's decision.json cannot be this run's, or "": its run id must be a run id (it
+    names the directory written here) and the run's last line must name the same run and decision
+    (a log that interleaves two runs, or a document that is not the one the exit code came from)."""
+    from rollout.run_id import run_id_error
+
+    run_id = str(doc["run_id"])
+    bad_id = run_id_error(run_id, "the log's decision.json run_id")
+    if bad_id:
+        return bad_id
+    if outcome.run_dir and Path(outcome.run_dir).name != run_id:
+        return f"the log's decision.json is run {run_id!r}, the run's last line names {outcome.run_dir!r}"
+    said = doc.get("decision") or "error"
+    if outcome.decision is not None and outcome.decision != said:
+        return (f"the log's decision.json of run {run_id!r} says {said!r}, the run's last line says "
+                f"{outcome.decision!r}")
+    return ""
 
 
 def main(argv: list[str] | None = None, out: TextIO = sys.stdout) -> int:

@@ -292,6 +292,23 @@ def test_the_fetched_decision_is_written_with_junit_and_metrics(tmp_path, monkey
     assert "mtp_canary_decision" in (fetched / "metrics.prom").read_text()
     # a document of another run than the one the last line names is refused
     assert submit.fetch_decision(_outcome(3, doc, run_dir="/head/runs/other"), tmp_path / "x", None, None) == 1
+    assert not (tmp_path / "x").exists()
+
+
+def test_a_log_whose_decision_disagrees_with_its_last_line_or_names_no_run_id_writes_nothing(tmp_path, monkeypatch,
+                                                                                              capsys):
+    import json
+
+    doc = json.loads((RECORDED / "bad" / "decision.json").read_text())
+    monkeypatch.chdir(tmp_path)
+    said_promote = Outcome("job-1", "FAILED", 3, decision="promote", run_dir="/head/runs/bad", decision_doc=doc)
+    assert submit.fetch_decision(said_promote, None, None, None) == 1
+    assert "says 'rollback', the run's last line says 'promote'" in capsys.readouterr().err
+    # the run id names the directory written here: one that climbs out of ./runs is refused
+    escaping = {**doc, "run_id": "../../escaped"}
+    assert submit.fetch_decision(_outcome(3, escaping), None, None, None) == 1
+    assert "is not a run id" in capsys.readouterr().err
+    assert not any(tmp_path.rglob("decision.json")) and not (tmp_path.parent / "escaped").exists()
 
 
 def test_an_output_in_a_missing_directory_is_exit_2_before_submitting(tmp_path, capsys):
