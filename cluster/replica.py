@@ -111,6 +111,26 @@ def read_tail(path: str | Path, lines: int = 40) -> list[str]:
         return []
 
 
+def capped_log(path: str | Path, max_bytes: int) -> tuple[bytes, int]:
+    """(the file, or its first and last whole lines when over max_bytes, with a line saying how
+    much was cut; its full size). The cut falls between lines, never inside one: the copy is
+    redacted after this, and a secret cut in two would no longer match its redaction."""
+    try:
+        size = os.path.getsize(path)
+        with open(path, "rb") as f:
+            if size <= max_bytes:
+                return f.read(), size
+            head = f.read(max_bytes // 4)  # the start: what ran, with which args
+            f.seek(size - (max_bytes - len(head)))
+            tail = f.read()  # the end: the failure, the last requests
+    except FileNotFoundError:
+        return b"", 0
+    head = head[: head.rfind(b"\n") + 1]  # up to its last whole line (none: nothing)
+    tail = tail[tail.find(b"\n") + 1:] if b"\n" in tail else b""  # from its first whole line
+    cut = f"\n[mtp-canary: {size - len(head) - len(tail)} bytes of this log cut here (log_copy cap)]\n".encode()
+    return head + cut + tail, size
+
+
 class VLLMReplicaServer:
     """The replica's logic; `VLLMReplica` is the Ray actor class built from it."""
 
@@ -325,20 +345,9 @@ class VLLMReplicaServer:
         return read_tail(self.log_path, lines)
 
     def log_copy(self, max_bytes: int) -> tuple[bytes, int]:
-        """(the server log, cut to its first and last bytes when over max_bytes; its full size),
+        """(the server log, cut to its first and last lines when over max_bytes; its full size),
         read here, on the replica's node: the fleet writes it into the run directory at teardown."""
-        try:
-            size = os.path.getsize(self.log_path)
-            with open(self.log_path, "rb") as f:
-                if size <= max_bytes:
-                    return f.read(), size
-                head = f.read(max_bytes // 4)  # the start: what ran, with which args
-                f.seek(size - (max_bytes - len(head)))
-                tail = f.read()  # the end: the failure, the last requests
-        except FileNotFoundError:
-            return b"", 0
-        cut = f"\n[mtp-canary: {size - len(head) - len(tail)} bytes of this log cut here (log_copy cap)]\n".encode()
-        return head + cut + tail, size
+        return capped_log(self.log_path, max_bytes)
 
     def log_lines_with(self, needles: tuple[str, ...], max_chars: int = 20_000) -> list[str]:
         """Lines of this launch's server log holding any of `needles` (what the server says it
