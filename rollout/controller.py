@@ -113,7 +113,7 @@ class Controller:
             ctx.result.error = "another controller resumed this run first"
             ctx.say(f"run {ctx.run_id}: {ctx.result.error}; nothing done")
             return ctx.result
-        completed = False
+        completed = interrupted = False
         live = None
         try:
             live = self._live_metrics()
@@ -124,6 +124,7 @@ class Controller:
         except (InfrastructureError, FleetStartError, SwarmError) as exc:
             self._fail(str(exc))
         except KeyboardInterrupt:
+            interrupted = True
             ctx.result.error = "interrupted"
             ctx.event("error", "interrupted", "SIGINT")
             raise
@@ -140,7 +141,7 @@ class Controller:
             finally:
                 if live is not None:  # the decision served (for metrics.linger_s), then the port closed
                     live.finish(decision_document(ctx.result))
-                    live.stop()
+                    live.stop(linger=not interrupted)
         return ctx.result
 
     def _live_metrics(self) -> LiveMetrics | None:

@@ -31,6 +31,7 @@ says which).
 
 from __future__ import annotations
 
+import sqlite3
 import threading
 from collections.abc import Callable
 from pathlib import Path
@@ -145,7 +146,10 @@ class RunCollector(Collector):
     def collect(self):
         from rollout.status import run_status
 
-        store = RunStore(self.store_path)
+        try:  # read-only: a scrape never writes to the store the controller writes
+            store = RunStore.reader(self.store_path)
+        except sqlite3.OperationalError:  # no store yet (or gone): nothing of the run to serve
+            return
         try:
             run = store.run(self.run_id)
             if run is None:
@@ -188,11 +192,12 @@ class LiveMetrics:
         """The run ended: serve its decision too (the families metrics.prom holds)."""
         self.collector.final = doc
 
-    def stop(self) -> None:
-        """After linger_s (a scrape sees the decision), stop serving; idempotent."""
+    def stop(self, linger: bool = True) -> None:
+        """After linger_s (a scrape sees the decision), stop serving; at once with linger=False
+        (an interrupted run: the person pressing Ctrl-C waits for nothing); idempotent."""
         if self._stopped.is_set():
             return
-        if self.collector.final is not None and self.linger_s:
+        if linger and self.collector.final is not None and self.linger_s:
             self._stopped.wait(self.linger_s)
         self._stopped.set()
         self._server.shutdown()

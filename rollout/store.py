@@ -148,6 +148,18 @@ class RunStore:
         self._db.executescript(SCHEMA)
         self._add_missing_columns()
 
+    @classmethod
+    def reader(cls, path: str | Path) -> "RunStore":
+        """The store opened read-only, as it is (no schema set up, no WAL switch, nothing created):
+        for a scrape or a page that only reads while the controller writes. Raises
+        sqlite3.OperationalError when there is no database at `path`."""
+        store = cls.__new__(cls)
+        store.path = Path(path)
+        store._db = sqlite3.connect(f"{store.path.resolve().as_uri()}?mode=ro", uri=True, timeout=30,
+                                    isolation_level=None)
+        store._db.row_factory = sqlite3.Row
+        return store
+
     def _add_missing_columns(self) -> None:
         for table, column, kind in ADDED_COLUMNS:
             have = {row[1] for row in self._db.execute(f"PRAGMA table_info({table})")}

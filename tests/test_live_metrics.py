@@ -193,3 +193,28 @@ def test_label_values_from_the_run_cannot_inject_series():
     assert {s.labels["gate"] for s in parsed["mtp_canary_gate_status"].samples} == {hostile}
     assert [s.value for s in parsed["mtp_canary_router_errors"].samples] == [1]
     assert [s.value for s in parsed["mtp_canary_look"].samples] == [3]
+
+
+def test_a_scrape_only_reads_the_store_and_an_interrupted_run_does_not_linger(tmp_path):
+    import sqlite3
+
+    from rollout.live_metrics import LiveMetrics
+    from rollout.store import RunStore
+
+    missing = tmp_path / "not-yet" / "history.db"
+    live = LiveMetrics(missing, "r1", router_state=lambda: None, linger_s=60)
+    try:
+        assert "mtp_canary_running" not in scrape(live.url)  # no store yet: an empty page, not an error
+        assert not missing.parent.exists()  # and a scrape created nothing
+        store = RunStore(tmp_path / "history.db")
+        store.create_run("r1", "read-only", "tiny", {})
+        with pytest.raises(sqlite3.OperationalError, match="readonly"):
+            RunStore.reader(store.path).create_run("r2", "x", "tiny", {})
+        live.collector.store_path = store.path
+        assert [(s.labels["run_id"], s.value) for s in scrape(live.url)["mtp_canary_running"]] == [("r1", 1)]
+        live.finish({"run_id": "r1", "decision": None, "gates": []})
+        started = time.monotonic()
+        live.stop(linger=False)  # Ctrl-C: the 60 s of linger_s are not waited
+        assert time.monotonic() - started < 10
+    finally:
+        live.stop(linger=False)
