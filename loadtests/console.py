@@ -238,6 +238,12 @@ def send_command(settings: ConsoleSettings, command: str,
 LOOPBACK_HOSTS = frozenset({"localhost", "127.0.0.1", "::1"})
 
 
+def cross_origin(headers: Any, host: str) -> bool:
+    """A browser's request from another site's page (its Origin is not this UI)."""
+    origin = headers.get("Origin")
+    return bool(origin) and urlsplit(origin).netloc != host
+
+
 def refusal(headers: Any, host: str, token: str | None) -> tuple[int, str] | None:
     """Why a command request must be refused (status, message), or None.
 
@@ -249,7 +255,7 @@ def refusal(headers: Any, host: str, token: str | None) -> tuple[int, str] | Non
     # Host, so without a token only a loopback Host is this console
     if not token and (urlsplit(f"//{host}").hostname or "") not in LOOPBACK_HOSTS:
         return 403, f"without a router token, commands are accepted through a loopback address only (Host {host})"
-    if origin and urlsplit(origin).netloc != host:
+    if cross_origin(headers, host):
         return 403, f"commands are accepted from this console only (Origin {origin})"
     if headers.get("X-MTP-Console") != "1":
         return 403, "commands need the console's X-MTP-Console header"
@@ -267,6 +273,7 @@ def install(environment: Any, settings: ConsoleSettings | None = None) -> bool:
     if settings is None or web_ui is None:
         return False
     from flask import Response, jsonify, request
+    from flask_cors.core import FLASK_CORS_EVALUATED
 
     source = StatusSource(settings)
     web_ui.template_args["extendedTabs"] = [{"title": TAB_TITLE, "key": TAB_KEY}]
@@ -276,7 +283,14 @@ def install(environment: Any, settings: ConsoleSettings | None = None) -> bool:
 
     @app.after_request
     def _extend(response: Response) -> Response:
-        if request.endpoint == "locust.request_stats" and response.status_code == 200 and response.is_json:
+        foreign = cross_origin(request.headers, request.host)
+        if request.path.startswith(ROUTE + "/"):
+            # Locust's app lets every origin read every route (flask-cors, whose hook runs after
+            # this one and skips a response marked evaluated): the console's routes are this
+            # UI's only, so another site's page can neither read the run's gates nor preflight a command
+            setattr(response, FLASK_CORS_EVALUATED, True)
+        elif request.endpoint == "locust.request_stats" and response.status_code == 200 and response.is_json \
+                and not foreign:  # Locust's own stats stay open as Locust makes them; the Rollout rows do not
             body = response.get_json()
             status, problem = source.current()
             body["extended_stats"] = [{"key": TAB_KEY, "data": console_rows(status, problem)}]
