@@ -309,7 +309,7 @@ def test_resume_takes_over_from_another_host_only_when_its_heartbeat_is_stale_or
     from rollout import cli as cli_module
 
     started: list = []
-    monkeypatch.setattr(cli_module, "_drive", lambda controller: started.append(controller) or 0)
+    monkeypatch.setattr(cli_module, "_drive", lambda controller, *_, **__: started.append(controller) or 0)
     from rollout.config import load_config
 
     store = RunStore(runs / "history.db")

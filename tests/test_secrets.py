@@ -216,7 +216,7 @@ def test_a_run_with_secrets_resumes_only_with_its_config_file_given_again(tmp_pa
     store.create_run("s2", "n", "m", redact_config(parse_config(secret_config_data()).model_dump(mode="json")))
     store.update_run("s2", controller="gone-host.invalid:1")
     started: list = []
-    monkeypatch.setattr(cli, "_drive", lambda controller: started.append(controller) or 0)
+    monkeypatch.setattr(cli, "_drive", lambda controller, *_, **__: started.append(controller) or 0)
     assert cli.main(["resume", "s2", "--runs-dir", str(tmp_path), "--force"]) == 2
     assert "give its config file again with --config FILE" in capsys.readouterr().err
     other = secret_config_data()
