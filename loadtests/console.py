@@ -283,14 +283,13 @@ def install(environment: Any, settings: ConsoleSettings | None = None) -> bool:
 
     @app.after_request
     def _extend(response: Response) -> Response:
-        foreign = cross_origin(request.headers, request.host)
         if request.path.startswith(ROUTE + "/"):
             # Locust's app lets every origin read every route (flask-cors, whose hook runs after
             # this one and skips a response marked evaluated): the console's routes are this
             # UI's only, so another site's page can neither read the run's gates nor preflight a command
             setattr(response, FLASK_CORS_EVALUATED, True)
         elif request.endpoint == "locust.request_stats" and response.status_code == 200 and response.is_json \
-                and not foreign:  # Locust's own stats stay open as Locust makes them; the Rollout rows do not
+                and not cross_origin(request.headers, request.host):  # Locust's own stats stay open as Locust makes them; the Rollout rows do not
             body = response.get_json()
             status, problem = source.current()
             body["extended_stats"] = [{"key": TAB_KEY, "data": console_rows(status, problem)}]

@@ -147,7 +147,7 @@ class RunCollector(Collector):
         from rollout.status import run_status
 
         try:  # read-only: a scrape never writes to the store the controller writes
-            store = RunStore.reader(self.store_path)
+            store = RunStore(self.store_path, read_only=True)
         except sqlite3.OperationalError:  # no store yet (or gone): nothing of the run to serve
             return
         try:

@@ -139,26 +139,23 @@ def controller_alive(
 class RunStore:
     """The history database of one runs directory."""
 
-    def __init__(self, path: str | Path):
+    def __init__(self, path: str | Path, read_only: bool = False):
+        """The store at `path`, created with its schema if missing. read_only: opened as it is (no
+        schema set up, no WAL switch, nothing created), for a scrape or a page that only reads while
+        the controller writes; sqlite3.OperationalError when there is no database at `path`."""
         self.path = Path(path)
-        self.path.parent.mkdir(parents=True, exist_ok=True)
-        self._db = sqlite3.connect(str(self.path), timeout=30, isolation_level=None)
+        if read_only:
+            target, uri = f"{self.path.resolve().as_uri()}?mode=ro", True
+        else:
+            self.path.parent.mkdir(parents=True, exist_ok=True)
+            target, uri = str(self.path), False
+        self._db = sqlite3.connect(target, uri=uri, timeout=30, isolation_level=None)
         self._db.row_factory = sqlite3.Row
+        if read_only:
+            return
         self._db.execute("PRAGMA journal_mode=WAL")
         self._db.executescript(SCHEMA)
         self._add_missing_columns()
-
-    @classmethod
-    def reader(cls, path: str | Path) -> "RunStore":
-        """The store opened read-only, as it is (no schema set up, no WAL switch, nothing created):
-        for a scrape or a page that only reads while the controller writes. Raises
-        sqlite3.OperationalError when there is no database at `path`."""
-        store = cls.__new__(cls)
-        store.path = Path(path)
-        store._db = sqlite3.connect(f"{store.path.resolve().as_uri()}?mode=ro", uri=True, timeout=30,
-                                    isolation_level=None)
-        store._db.row_factory = sqlite3.Row
-        return store
 
     def _add_missing_columns(self) -> None:
         for table, column, kind in ADDED_COLUMNS:

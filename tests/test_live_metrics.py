@@ -209,7 +209,7 @@ def test_a_scrape_only_reads_the_store_and_an_interrupted_run_does_not_linger(tm
         store = RunStore(tmp_path / "history.db")
         store.create_run("r1", "read-only", "tiny", {})
         with pytest.raises(sqlite3.OperationalError, match="readonly"):
-            RunStore.reader(store.path).create_run("r2", "x", "tiny", {})
+            RunStore(store.path, read_only=True).create_run("r2", "x", "tiny", {})
         live.collector.store_path = store.path
         assert [(s.labels["run_id"], s.value) for s in scrape(live.url)["mtp_canary_running"]] == [("r1", 1)]
         live.finish({"run_id": "r1", "decision": None, "gates": []})
