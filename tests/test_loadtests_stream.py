@@ -230,9 +230,13 @@ def test_client_timing_matches_the_known_schedule(scheduled_target, endpoint):
     # away: a client stamping the response instead of the chunk is that far off), and the
     # stream's length from first to last chunk. How close to the send it stamps (a few ms on a
     # quiet machine; more where the client waits for a CPU) is benchmarks/loadgen.py's figure.
+    # Each side pairs its wall clock with its monotonic clock by two reads in a row, and on a CPU
+    # quota a process may be stopped between them (benchmarks/slowed.sh 0.5: -5.8 ms seen), so the
+    # lower bound is half the TTFT: a client stamping the response's headers instead of its first
+    # chunk is a whole TTFT early.
     first_chunk_error_s = statistics.median(r.sent_at + r.ttft_s - sent_by_target[r.request_id].first_sent_at
                                             for r in records)
-    assert -0.002 < first_chunk_error_s < 16 * TPOT_S, first_chunk_error_s
+    assert -TTFT_S / 2 < first_chunk_error_s < 16 * TPOT_S, first_chunk_error_s
     span_ratio = statistics.median((r.e2e_s - r.ttft_s) / (sent_by_target[r.request_id].last_s
                                                          - sent_by_target[r.request_id].first_s) for r in records)
     assert span_ratio == pytest.approx(1.0, abs=0.1)
