@@ -135,7 +135,7 @@ DEMO_RUN_CONFIG: dict[str, Any] = {
     "accuracy": {"enabled": True, "kind": "golden", "limit": 64, "batch_size": 32},
     "experiment": {
         "enabled": True, "requests_per_look": 40, "requests_per_arm": 400, "window_s": 10, "min_looks": 1,
-        "max_duration_s": 900.0, "users_per_replica": 2, "max_tokens": 8,
+        "max_duration_s": 900.0, "users_per_replica": 2, "max_tokens": 16,
     },
     "gates": {
         "alpha": 0.05, "accuracy_margin": 0.05, "divergence_margin": 0.05, "tpot_p50_min_improvement": 0.0,
