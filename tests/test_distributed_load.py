@@ -120,8 +120,8 @@ def test_workers_that_cannot_be_placed_fail_before_any_load(local_ray, tmp_path)
 
 
 def test_distributed_run_records_every_request_once(local_ray, tmp_path):
-    # 8 s of load, not 3: at a quarter speed (benchmarks/slowed.sh 0.5) no request had been sent
-    # 3 s after the workers connected (their users spawn at nice 15 on a CPU quota)
+    # 8 s of load, not 3: at a quarter speed (benchmarks/slowed.sh 0.5) a 3 s run sent no request
+    # at all (the workers' users start slowly on a CPU quota)
     with TargetProcess(ttft_ms=20, tpot_ms=5, tokens_per_chunk=4) as target:
         spec = SwarmSpec(host=target.url, users=4, run_time_s=8, n_workers=2, stop_timeout_s=10,
                          traffic=TrafficOptions(records=str(tmp_path / "records.jsonl"), max_tokens=33, rate=12.0,
