@@ -173,6 +173,14 @@ class ExperimentConfig(BaseModel):
         500, ge=5, description="planned requests per arm (information fraction 1: the last look)"
     )
     window_s: int = Field(30, ge=1, description="at least this many seconds between two looks")
+    # A fresh engine's first requests are slower (allocator, caches, the first batches of a new
+    # shape), on one arm more than the other: seen as TTFT p50 180-220 ms for a CPU canary's first
+    # ~50 requests against ~148 ms after. Judged, they sit in the first block alone and inflate
+    # the design effect. GuideLLM's and AIPerf's warm-up requests, here per arm.
+    warmup_requests_per_arm: int = Field(
+        0, ge=0, description="the first N completed requests of every arm are stored (records.jsonl, the store's "
+        "look 0) but not judged: the looks, their information fraction and the acceptance counters begin after them",
+    )
     min_looks: int = Field(1, ge=1, description="no early stop before this many looks")
     max_duration_s: float = Field(
         1800, gt=0, description="wall-clock cap of the experiment phase: reached before the plan, INCONCLUSIVE"

@@ -106,6 +106,7 @@ class JudgeOutcome:
                 for k in self.replay.looks
             ],
             "stopped_by": self.replay.stopped_by,
+            "warmup_records": self.replay.warmup_records,
             "judged_records": self.replay.judged_records,
             "unjudged_records": self.replay.unjudged_records,
             "notes": self.notes,
@@ -181,7 +182,8 @@ def _stored_plan(doc: dict[str, Any], default: LookPlan) -> LookPlan:
         return default
     return LookPlan(int(exp["requests_per_look"]), int(exp["requests_per_arm_planned"]), default.min_interval_s,
                     default.min_looks, math.inf, bool(exp.get("arm_users", False)),
-                    twin=exp.get("noise_floor") is not None)  # a twin run stores its A/A noise floor
+                    twin=exp.get("noise_floor") is not None,  # a twin run stores its A/A noise floor
+                    warmup_requests_per_arm=int(exp.get("warmup_requests_per_arm") or 0))
 
 
 def load_input(arg: str, run_config: Any | None) -> JudgeInput:
@@ -232,8 +234,9 @@ def _from_run(inp: JudgeInput, doc: dict[str, Any], path: Path) -> None:
         inp.notes.append(f"{path / DECISION} holds no canary spec_decode: acceptance is unknown")
     exp = doc.get("experiment") or {}
     looks = exp.get("looks") or []
-    same_plan = (exp.get("requests_per_look"), exp.get("requests_per_arm_planned")) == (
-        inp.plan.requests_per_look, inp.plan.requests_per_arm)
+    same_plan = (exp.get("requests_per_look"), exp.get("requests_per_arm_planned"),
+                 int(exp.get("warmup_requests_per_arm") or 0)) == (
+        inp.plan.requests_per_look, inp.plan.requests_per_arm, inp.plan.warmup_requests_per_arm)
     if looks and same_plan:
         inp.stored_counts = [dict(k.get("requests") or {}) for k in looks]
     elif looks:
@@ -277,7 +280,8 @@ def judge_input(inp: JudgeInput) -> JudgeOutcome:
                          + " (list only the gates to judge in gates.enabled)")
         reason = "; ".join(parts) or "no gate was judged"
     slo = inp.gates.goodput_slo
-    goodput = goodput_by_arm(inp.records[: replay.judged_records], slo) if slo is not None else None
+    judged = inp.records[replay.warmup_records: replay.warmup_records + replay.judged_records]
+    goodput = goodput_by_arm(judged, slo) if slo is not None else None
     return JudgeOutcome(inp.label, decision, reason, gates, replay, inp.notes, goodput)
 
 
@@ -290,8 +294,9 @@ def table(outcome: JudgeOutcome) -> str:
     r = outcome.replay
     lines = [
         f"{outcome.label}: {outcome.decision.value.upper()} ({outcome.reason})",
-        f"  {len(r.looks)} look(s), stopped by {r.stopped_by}; {r.judged_records} records judged, "
-        f"{r.unjudged_records} after the last look",
+        f"  {len(r.looks)} look(s), stopped by {r.stopped_by}; "
+        + (f"{r.warmup_records} warm-up records not judged, " if r.warmup_records else "")
+        + f"{r.judged_records} records judged, {r.unjudged_records} after the last look",
         f"  {'gate':<26} {'verdict':<13} {'estimate':>9} {'interval':>21} {'threshold':>9}",
     ]
     for g in outcome.gates:

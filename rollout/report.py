@@ -142,6 +142,10 @@ def _latency(doc: dict[str, Any]) -> list[str]:
             f"stopped by {exp.get('stopped_by')}; duty cycle {_num(exp.get('duty_cycle'))}; "
             f"router received {exp.get('requests_received')} requests, {exp.get('records_stored')} records stored."
         )
+    if exp.get("warmup_requests_per_arm"):  # absent from runs without a warm-up: their report reads as before
+        counts = ", ".join(f"{arm} {n}" for arm, n in (exp.get("warmup_requests") or {}).items())
+        lines.append(f"\nWarm-up: the first {exp['warmup_requests_per_arm']} completed requests of every arm "
+                     f"({counts}) are stored, not judged, and not in the table above.")
     if exp.get("generator_warnings"):
         lines += ["", "**The load generator limited the load** (latencies include client-side delay):", ""]
         lines += [f"- {w}" for w in exp["generator_warnings"]]

@@ -104,6 +104,9 @@ class ExperimentSummary(Summary):
     requests_per_look: int
     requests_per_arm_planned: int
     arm_users: bool = False  # each Locust user kept one arm (experiment.arm_users)
+    # experiment.warmup_requests_per_arm, and each arm's completed requests in the warm-up (stored, not judged)
+    warmup_requests_per_arm: int = 0
+    warmup_requests: dict[str, int] = {}  # pydantic copies a mutable default per instance
     information: float
     requests: dict[str, int]
     records_after_last_look: int

@@ -224,3 +224,37 @@ def test_a_capped_experiment_is_inconclusive_and_its_reason_has_the_counts(tmp_p
     assert ctx.result.decision == Decision.INCONCLUSIVE
     assert ctx.result.reason.startswith("experiment.max_duration_s (240 s) reached")
     assert "baseline 61, canary 60" in ctx.result.reason and "error_rate_guard" in ctx.result.reason
+
+
+def test_a_warm_up_is_stored_as_look_0_and_the_looks_judge_only_what_follows(local_ray, tmp_path):
+    exp = ExperimentConfig(requests_per_look=20, requests_per_arm=40, window_s=1, users_per_replica=2, max_tokens=8,
+                           max_duration_s=300, workers=1, worker_placement="local", warmup_requests_per_arm=15)
+    scrapes: list[float] = []
+    with TargetProcess(ttft_ms=20, tpot_ms=10) as baseline, TargetProcess(ttft_ms=20, tpot_ms=10) as canary:
+        with routed(baseline.url, canary.url) as (router, url):
+            before = sum(RouterClient(router, url).request_counts().values())
+            outcome, store, lines = run_experiment(tmp_path, router, url, exp, GATES,
+                                                   scrape=lambda: scrapes.append(time.monotonic()) or {})
+            received = sum(RouterClient(router, url).request_counts().values()) - before
+    summary = outcome.summary
+    stored = store.request_samples("exp", "experiment")
+    warm = [RequestRecord.model_validate_json(row) for look, row in stored if look == 0]
+    # the warm-up: the first records, until every arm had its 15 completed requests, stored as look 0
+    assert summary["warmup_requests_per_arm"] == 15
+    assert all(summary["warmup_requests"][arm] >= 15 for arm in ("baseline", "canary")), summary["warmup_requests"]
+    assert min(summary["warmup_requests"].values()) == 15  # it ends at the record that completes the last arm
+    assert {r.request_id for r in warm} == {r.request_id for r in outcome.warmup_records}
+    # ...and never judged: the looks and the summary's requests count only what followed it
+    judged_ids = {r.request_id for r in outcome.records}
+    assert not judged_ids & {r.request_id for r in warm}
+    assert summary["looks"][0]["requests"]["baseline"] >= exp.requests_per_look
+    assert summary["requests"] == {arm: sum(1 for r in outcome.records if r.arm == arm and not r.cancelled)
+                                   for arm in ("baseline", "canary")}
+    # none lost: warm-up + judged + after the last look is every request the router received
+    assert summary["records_stored"] == received == len(warm) + len(outcome.records)
+    # the acceptance counters begin again at the warm-up's end: one scrape at the start, one
+    # at the end of the warm-up, one per look
+    assert len(scrapes) == 2 + len(summary["looks"]), (len(scrapes), lines)
+    assert any(line.startswith("experiment: warm-up over:") for line in lines), lines
+    assert lines.index(next(line for line in lines if "warm-up over" in line)) < lines.index(
+        next(line for line in lines if line.startswith("experiment: look 1/")))

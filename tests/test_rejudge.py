@@ -14,6 +14,7 @@ import numpy as np
 import pytest
 import yaml
 
+from loadtests.records import RequestRecord
 from rollout import cli, rejudge
 
 REPO = Path(__file__).resolve().parents[1]
@@ -188,3 +189,51 @@ def test_without_the_runs_looks_the_boundary_rule_places_them_on_the_records_clo
     assert [k.requests for k in replay.looks][:2] == [{"baseline": 16, "canary": 15}, {"baseline": 15, "canary": 15}]
     assert [k.information for k in replay.looks][:2] == [pytest.approx(15 / 50), pytest.approx(30 / 50)]
     assert replay.stopped_by in ("information", "end of records")
+
+
+def _pairs(n: int, ttft_s=lambda i: 0.1) -> list[RequestRecord]:
+    """n pairs of completed requests, one pair a second, in arrival order."""
+    return [RequestRecord(request_id=f"{arm}{i}", tag="experiment", worker="w", arm=arm, sent_at=float(i),
+                          ttft_s=ttft_s(i), e2e_s=0.5, output_tokens=8, ok=True, status=200)
+            for i in range(n) for arm in ("baseline", "canary")]
+
+
+def test_the_warm_up_ends_at_the_record_that_gives_every_arm_its_count():
+    from rollout.judge.experiment_looks import LookPlan, warmup_end
+
+    plan = LookPlan(requests_per_look=10, requests_per_arm=30, min_interval_s=0, min_looks=1, max_duration_s=1e9,
+                    warmup_requests_per_arm=10)
+    rows = _pairs(40)
+    assert warmup_end(rows, plan) == 20  # canary 9, the 20th record
+    # an arm that lags: the other arm's extra requests before the end are warm-up too, and a
+    # cancelled request is no evidence (it counts for neither)
+    lagging = [r for r in rows[:40] if r.arm == "baseline"] + [r for r in rows[:40] if r.arm == "canary"]
+    lagging[25] = lagging[25].model_copy(update={"cancelled": True})
+    assert warmup_end(lagging, plan) == 31  # all 20 baseline, then canary 0..10 with canary 5 cancelled
+    assert warmup_end(rows[:19], plan) is None  # not over yet
+    assert warmup_end(rows, LookPlan(10, 30, 0, 1, 1e9)) == 0  # no warm-up
+
+
+def test_a_replay_with_a_warm_up_judges_what_follows_it_as_a_run_without_one():
+    from rollout.judge.config import GatesConfig
+    from rollout.judge.experiment_looks import LookPlan, replay_looks
+
+    # the warm-up's first-request TTFTs are 20x the rest: judged, they would move the TTFT p95
+    rows = _pairs(60, ttft_s=lambda i: 2.0 if i < 10 else 0.1 + 0.001 * (i % 7))
+    cfg = GatesConfig(enabled=["ttft_p95_guard", "sample_ratio"], min_requests_per_arm=5)
+    warm = LookPlan(10, 40, 0, 4, 1e9, warmup_requests_per_arm=10)
+    cold = LookPlan(10, 40, 0, 4, 1e9)
+    with_warmup = replay_looks(rows, warm, cfg, None, False)
+    after_it = replay_looks(rows[20:], cold, cfg, None, False)
+    assert with_warmup.warmup_records == 20 and after_it.warmup_records == 0
+    assert [(k.look, k.information, k.requests) for k in with_warmup.looks] == [
+        (k.look, k.information, k.requests) for k in after_it.looks]
+    assert [g.model_dump() for g in with_warmup.gates] == [g.model_dump() for g in after_it.gates]
+    assert with_warmup.looks[0].requests == {"baseline": 10, "canary": 10}
+    assert with_warmup.judged_records + with_warmup.unjudged_records + with_warmup.warmup_records == len(rows)
+    # the same records judged without the warm-up see the slow first requests
+    judged_cold = replay_looks(rows, cold, cfg, None, False)
+    assert [g.model_dump() for g in judged_cold.gates] != [g.model_dump() for g in with_warmup.gates]
+    # records that end inside the warm-up give no look, and say so
+    short = replay_looks(rows[:15], warm, cfg, None, False)
+    assert short.looks == [] and "warm-up" in short.stopped_by and short.unjudged_records == 15

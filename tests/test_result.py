@@ -55,7 +55,7 @@ def key_paths(value, prefix: str = "") -> set[str]:
 
 # experiment fields added since the runs were recorded, with their defaults: a run today writes them
 ADDED_CPU_FIELDS = {"worker_process": False}
-ADDED_EXPERIMENT_FIELDS = {"arm_users": False}
+ADDED_EXPERIMENT_FIELDS = {"arm_users": False, "warmup_requests_per_arm": 0, "warmup_requests": {}}
 # what preflight records since of each replica's server (rollout.engine_parity.EngineRun)
 ADDED_SERVER_FIELDS = {"vllm_version": None, "non_default_args": {}, "unparsed": None}
 # what the experiment records since of each arm's KV cache (arms.<arm>.kv)

@@ -149,7 +149,11 @@ FULL_EVAL_ITEMS = {"gsm8k": 1319, "golden": 160}  # items of a set without accur
 
 # -- the design, from a run config ------------------------------------------------------
 class _ExperimentSection(pydantic.BaseModel, extra="ignore"):
-    """The run config's ``experiment:`` fields the design uses (defaults as rollout.config.ExperimentConfig)."""
+    """The run config's ``experiment:`` fields the design uses (defaults as rollout.config.ExperimentConfig).
+
+    Not ``warmup_requests_per_arm``: a warm-up's records are never judged, and a simulated stream
+    has no warm-up to leave out, so a design with one is the same design (the looks and their
+    counts begin after it; tests/test_rejudge.py replays both ways to the same verdicts)."""
 
     enabled: bool = True
     requests_per_look: int = Field(100, ge=5)

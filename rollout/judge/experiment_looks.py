@@ -26,7 +26,10 @@ The rules (the controller's, unchanged):
   turn like the others) the A/A TPOT p50 ratio twin / baseline at every look
   (``noise_floor``): the objective cannot pass while its interval excludes 1;
 * the phase stops at information 1, or from ``min_looks`` on once every enabled
-  gate is decided (``verdicts.is_final``).
+  gate is decided (``verdicts.is_final``);
+* with ``warmup_requests_per_arm`` N, the records up to the one at which every arm has N
+  completed requests (``warmup_end``) are a warm-up: stored, never judged; the looks
+  and their clock begin after them.
 
 No clock here: the controller passes the seconds since its last look; a replay uses
 the records' own completion times (sent_at + e2e_s) as its clock.
@@ -66,6 +69,7 @@ __all__ = [
     "stop_after",
     "replay_looks",
     "look_ends_by_rule",
+    "warmup_end",
 ]
 
 ARMS = (BASELINE, CANARY)
@@ -81,6 +85,7 @@ class PlannedExperiment(Protocol):
     min_looks: int
     max_duration_s: float
     arm_users: bool
+    warmup_requests_per_arm: int
 
 
 # -- the plan ------------------------------------------------------------------------
@@ -98,11 +103,13 @@ class LookPlan:
     arm_users: bool = False
     # a twin baseline gets the experiment's traffic too (twin_baseline): a third arm, the A/A noise floor
     twin: bool = False
+    # every arm's first N completed requests are a warm-up, not judged (experiment.warmup_requests_per_arm)
+    warmup_requests_per_arm: int = 0
 
     @classmethod
     def of(cls, exp: PlannedExperiment, twin: bool = False) -> "LookPlan":
         return cls(exp.requests_per_look, exp.requests_per_arm, float(exp.window_s), exp.min_looks, exp.max_duration_s,
-                   exp.arm_users, twin)
+                   exp.arm_users, twin, exp.warmup_requests_per_arm)
 
     @property
     def arms(self) -> tuple[str, ...]:
@@ -263,10 +270,30 @@ class Replay:
     stopped_by: str = "end of records"
     judged_records: int = 0
     unjudged_records: int = 0
+    warmup_records: int = 0  # the first records, a warm-up: before the judged ones
 
     @property
     def gates(self) -> list[GateResult]:
         return self.looks[-1].gates if self.looks else []
+
+
+def warmup_end(records: Sequence[RequestRecord], plan: LookPlan) -> int | None:
+    """End index (exclusive) of the warm-up in ``records`` (arrival order): the record at which every
+    arm has ``plan.warmup_requests_per_arm`` completed requests; 0 without a warm-up, None before its end.
+
+    Whatever arrived before that record is warm-up too (another arm's extra requests, cancelled
+    ones): the judged records are one unbroken stretch after it, as the looks need."""
+    wanted = plan.warmup_requests_per_arm
+    if wanted <= 0:
+        return 0
+    got = dict.fromkeys(plan.arms, 0)
+    for i, r in enumerate(records):
+        arm = record_arm(r)
+        if arm in got and not r.cancelled:
+            got[arm] += 1
+            if min(got.values()) >= wanted:
+                return i + 1
+    return None
 
 
 def look_ends_by_rule(records: Sequence[RequestRecord], plan: LookPlan) -> list[int]:
@@ -328,10 +355,16 @@ def replay_looks(
     the looks fall exactly where the run's did; without, where the boundary rule puts
     them on the records' own clock. The spec-decode counters are the phase's final
     ones at every look (per-look counters are not stored). Records after the last
-    look are not judged, as in the run.
+    look are not judged, as in the run; nor are a warm-up's (``warmup_end``): the looks
+    begin after it, and ``judged_records`` counts from the warm-up's end.
     """
-    ends = _boundaries_by_counts(records, stored_counts, plan.arms) if stored_counts is not None else look_ends_by_rule(records, plan)
+    warmup = warmup_end(records, plan)
     replay = Replay()
+    if warmup is None:  # the records end inside the warm-up: nothing to judge
+        replay.stopped_by, replay.unjudged_records = "end of records in the warm-up", len(records)
+        return replay
+    records = records[warmup:]
+    ends = _boundaries_by_counts(records, stored_counts, plan.arms) if stored_counts is not None else look_ends_by_rule(records, plan)
     looks_of: list[int] = []
     fractions: list[float] = []
     start = 0
@@ -346,5 +379,6 @@ def replay_looks(
         if reason is not None:
             replay.stopped_by = reason
             break
+    replay.warmup_records = warmup
     replay.judged_records, replay.unjudged_records = start, len(records) - start
     return replay

@@ -99,6 +99,7 @@ class Experiment:
         arms = (BASELINE, CANARY, TWIN) if ctx.cfg.twin_baseline else (BASELINE, CANARY)
         slo = ctx.cfg.gates.goodput_slo
         # goodput over the judged records (those after the last look have no verdict), as the goodput gate counts
+        # (outcome.records has no warm-up records: its requests are stored, never judged nor summarized)
         judged = records[: len(records) - outcome.summary["records_after_last_look"]]
         for arm, stats in outcome.spec_decode.items():
             k = ctx.engines[arm].num_speculative_tokens

@@ -2,6 +2,9 @@
 
     one Locust swarm (master + workers, web UI when asked) through the router,
     both arms pinned alternately with the same prompts, from the first look to the last
+    with `warmup_requests_per_arm` N, the records until every arm has N completed requests
+        are a warm-up: stored as look 0, never judged; the looks, their clock and the
+        acceptance counters begin after it
     a look happens when every arm has `requests_per_look` more completed requests
         (and at least `window_s` passed since the previous look); alpha is spent
         at the observed information fraction min_arm(n) / `requests_per_arm`
@@ -48,6 +51,7 @@ from rollout.judge.experiment_looks import (
     next_information,
     requests_by_arm,
     stop_after,
+    warmup_end,
 )
 from rollout.judge.noise_floor import NoiseFloor
 from rollout.judge.verdicts import GateResult
@@ -60,6 +64,7 @@ PROGRESS_EVERY_S = 15.0
 LOAD_STOP_TIMEOUT_S = 10.0  # requests in flight when the load stops get this long, then are cancelled records
 LOAD_MARGIN_S = 300.0  # the swarm's own run time beyond max_duration_s: the phase, not Locust, ends the load
 FIRST_RECORD_TIMEOUT_S = 300.0  # a load that delivers no record at all in this long is broken
+WARMUP_LOOK = 0  # the store's look number of the warm-up's records (experiment.warmup_requests_per_arm)
 
 
 # -- the look logic lives in rollout.judge.experiment_looks (pure, shared with `mtp-canary judge`) --
@@ -112,8 +117,9 @@ class ExperimentOutcome:
     spec_decode: dict[str, SpecDecodeStats]
     capped_reason: str | None = None  # max_duration_s reached before the plan
     aborted: bool = False
-    records: list[RequestRecord] = field(default_factory=list)
+    records: list[RequestRecord] = field(default_factory=list)  # judged, then the ones after the last look
     noise_floor: NoiseFloor | None = None  # the last look's A/A ratio twin / baseline (twin_baseline only)
+    warmup_records: list[RequestRecord] = field(default_factory=list)  # before `records`: stored, never judged
 
 
 class ExperimentPhase:
@@ -121,6 +127,8 @@ class ExperimentPhase:
         self.ctx = ctx
         self.plan = LookPlan.of(ctx.config, twin=ctx.twin)
         self.records: list[RequestRecord] = []
+        # the warm-up's records once it is over (experiment.warmup_requests_per_arm); None until then
+        self.warmup: list[RequestRecord] | None = [] if self.plan.warmup_requests_per_arm == 0 else None
         self.looks_of: list[int] = []
         self.pending: list[RequestRecord] = []
         self.fractions: list[float] = []
@@ -157,9 +165,11 @@ class ExperimentPhase:
                 load.check()
                 self.pending += load.tail.read()
                 now = time.monotonic()
+                if self.warmup is None and self._end_of_warmup():
+                    last_look_at = now  # the looks' clock begins after the warm-up
                 new = {arm: completed(self.pending, arm) for arm in self.arms}
                 totals = {arm: completed(self.records, arm) + new[arm] for arm in self.arms}
-                if not self.records and not self.pending and now - started > FIRST_RECORD_TIMEOUT_S:
+                if not (self.records or self.pending or self.warmup) and now - started > FIRST_RECORD_TIMEOUT_S:
                     raise SwarmError(f"the experiment's load delivered no record in {FIRST_RECORD_TIMEOUT_S:g} s")
                 if ctx.aborted():
                     aborted = True
@@ -167,7 +177,8 @@ class ExperimentPhase:
                 self.watch.tick(now)
                 self.watch.check()
                 capped = now - started >= plan.max_duration_s
-                if plan.look_due(new, totals, now - last_look_at) or (capped and any(new.values())):
+                looking = self.warmup is not None  # never a look over warm-up records
+                if looking and (plan.look_due(new, totals, now - last_look_at) or (capped and any(new.values()))):
                     self.watch.confirm()  # never a look over the survivors of a replica seen down
                     last_look_at = now
                     final = self._look(plan.information(totals))
@@ -179,7 +190,11 @@ class ExperimentPhase:
                     break
                 # the bar follows the arm with the fewest requests: the plan ends when it reaches requests_per_arm
                 ctx.tick("experiment requests (fewest arm)", min(totals.values()), plan.requests_per_arm)
-                if now >= next_progress:
+                if now >= next_progress and not looking:
+                    next_progress = now + PROGRESS_EVERY_S
+                    self.say(f"{now - started:.0f} s, warm-up: completed requests baseline {totals[BASELINE]} canary "
+                             f"{totals[CANARY]} of {plan.warmup_requests_per_arm} each, not judged")
+                elif now >= next_progress:
                     next_progress = now + PROGRESS_EVERY_S
                     self.say(
                         f"{now - started:.0f} s, completed requests baseline {totals[BASELINE]} canary {totals[CANARY]}"
@@ -203,7 +218,29 @@ class ExperimentPhase:
             aborted=aborted,
             records=self.records,
             noise_floor=self.noise_floor,
+            warmup_records=self.warmup or [],
         )
+
+    # -- the warm-up -----------------------------------------------------------
+    def _end_of_warmup(self) -> bool:
+        """Whether the warm-up ended with the records read so far; if so they are stored as look 0,
+        the looks go on from the rest, and the acceptance counters start again from here."""
+        ctx = self.ctx
+        end = warmup_end(self.pending, self.plan)
+        if end is None:
+            return False
+        warm, self.pending = self.pending[:end], self.pending[end:]
+        if ctx.store.add_request_samples(ctx.run_id, PHASE, WARMUP_LOOK, warm) != len(warm):
+            raise SwarmError("experiment: the warm-up had duplicate request ids")
+        self.warmup = warm
+        # a canary's warm-up is its slowest stretch, and spec-decode counters from it would
+        # weigh the acceptance floor as the judged latencies no longer are
+        self.metrics_start = ctx.scrape()
+        counts = requests_by_arm(warm, self.arms)
+        self.say("warm-up over: " + ", ".join(f"{arm} {n}" for arm, n in counts.items())
+                 + " completed requests stored, not judged; the looks begin now")
+        ctx.event("warmup", f"{len(warm)} records")
+        return True
 
     # -- one look --------------------------------------------------------------
     def _look(self, information: float) -> bool:
@@ -266,6 +303,12 @@ class ExperimentPhase:
 
     def _capped_reason(self, totals: dict[str, int]) -> str:
         plan = self.plan
+        if self.warmup is None:
+            return (
+                f"experiment.max_duration_s ({plan.max_duration_s:g} s) reached in the warm-up: baseline "
+                f"{totals[BASELINE]}, canary {totals[CANARY]} completed requests of the "
+                f"{plan.warmup_requests_per_arm} per arm it needs before the first look"
+            )
         return (
             f"experiment.max_duration_s ({plan.max_duration_s:g} s) reached after {len(self.fractions)} look(s): "
             f"baseline {totals[BASELINE]}, canary {totals[CANARY]} completed requests; the plan needs "
@@ -306,6 +349,8 @@ class ExperimentPhase:
             "planned_looks": self.plan.planned_looks,
             "requests_per_look": self.plan.requests_per_look,
             "requests_per_arm_planned": self.plan.requests_per_arm,
+            "warmup_requests_per_arm": self.plan.warmup_requests_per_arm,
+            "warmup_requests": requests_by_arm(self.warmup or [], self.arms),
             "arm_users": self.plan.arm_users,
             "information": self.fractions[-1] if self.fractions else 0.0,
             "requests": {arm: latency_samples(self.records, self.looks_of, arm).n_total for arm in self.arms},
