@@ -237,3 +237,28 @@ def test_a_replay_with_a_warm_up_judges_what_follows_it_as_a_run_without_one():
     # records that end inside the warm-up give no look, and say so
     short = replay_looks(rows[:15], warm, cfg, None, False)
     assert short.looks == [] and "warm-up" in short.stopped_by and short.unjudged_records == 15
+
+
+def test_a_run_with_a_warm_up_is_replayed_with_it_and_another_warm_up_is_another_plan(tmp_path):
+    import shutil
+
+    run = tmp_path / "run"
+    shutil.copytree(REAL_RUN, run)
+    doc = json.loads((run / "decision.json").read_text())
+    # as if the run had had a warm-up of 20 per arm and stopped at its second look: the stored
+    # looks then follow the warm-up's records (this recording holds three looks' worth in all)
+    looks = doc["experiment"]["looks"] = doc["experiment"]["looks"][:2]
+    doc["experiment"]["warmup_requests_per_arm"] = 20
+    (run / "decision.json").write_text(json.dumps(doc))
+    inp = rejudge.load_input(str(run), None)
+    assert inp.plan.warmup_requests_per_arm == 20 and inp.stored_counts == [dict(k["requests"]) for k in looks]
+    replay = rejudge.judge_input(inp).replay
+    assert replay.warmup_records >= 40 and replay.looks[0].requests == looks[0]["requests"]
+    # a --config with no warm-up is another plan: looks by the boundary rule, and a note says so
+    config = tmp_path / "no-warmup.yaml"
+    config.write_text((REPO / "configs" / "local-cpu.yaml").read_text())
+    from rollout.config import load_config
+
+    other = rejudge.load_input(str(run), load_config(config))
+    assert other.plan.warmup_requests_per_arm == 0 and other.stored_counts is None
+    assert any("look plan differs" in note for note in other.notes)
