@@ -87,14 +87,22 @@ def _row(page, item: str) -> list[str]:
     return []
 
 
-def _wait_for(check, timeout_s: float, what: str):
+def _wait_for(check, timeout_s: float, what: str, seen=None):
+    """check()'s first truthy value within timeout_s; on a timeout the error says what `seen()` shows then."""
     deadline = time.monotonic() + timeout_s
     while time.monotonic() < deadline:
         value = check()
         if value:
             return value
         time.sleep(0.25)
-    raise AssertionError(f"timed out after {timeout_s:g} s waiting for {what}")
+    shown = "" if seen is None else f"; the page showed: {seen()!r}"
+    raise AssertionError(f"timed out after {timeout_s:g} s waiting for {what}{shown}")
+
+
+def _shown(page) -> dict:
+    """What the page shows, for a timeout's message: the tab's rows, the panel's title, the URL."""
+    return {"url": page.url, "rows": page.locator("table tbody tr").all_inner_texts()[:12],
+            "panel": page.locator("#mtp-console-run").all_inner_texts()}
 
 
 def _open_when_up(page, url: str, timeout_s: float = 90) -> None:
@@ -154,15 +162,17 @@ def _watch_and_abort(binary: str, base: str, h, errors: list[str], dialogs: list
         page.on("pageerror", lambda e: errors.append(str(e)))
         _open_when_up(page, base)
         # it renders: the run (its hostile name as text), phase, canary weight, pending commands
-        run = _wait_for(lambda: _row(page, "run"), 60, "the tab's run row")
+        run = _wait_for(lambda: _row(page, "run"), 60, "the tab's run row", seen=lambda: _shown(page))
         assert run[1] == f"web ({HOSTILE_NAME})" and run[3] == "running"
         assert page.locator("#injected").count() == 0 and page.title() != "owned"
         assert _row(page, "phase")[1] == "progressive"
-        _wait_for(lambda: _row(page, "canary weight")[1:2] == ["30%"], 60, "canary weight 30%")
+        _wait_for(lambda: _row(page, "canary weight")[1:2] == ["30%"], 60, "canary weight 30%",
+                  seen=lambda: _shown(page))
         assert _row(page, "pending commands")[1] == "none"
         # it updates between looks: the look number moves on and each guard's row comes with it
-        first = int(_wait_for(lambda: _look(page), 60, "a first look"))
-        later = int(_wait_for(lambda: (look := _look(page)) and int(look) > first and look, 60, "a later look"))
+        first = int(_wait_for(lambda: _look(page), 60, "a first look", seen=lambda: _shown(page)))
+        later = int(_wait_for(lambda: (look := _look(page)) and int(look) > first and look, 60, "a later look",
+                              seen=lambda: _shown(page)))
         guards = [c for c in page.locator("table tbody tr td:first-child").all_inner_texts()
                   if re.match(rf"progressive look {later}: guard_", c.strip())]
         assert guards, "the later look's guard rows"
