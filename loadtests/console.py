@@ -405,11 +405,25 @@ CONSOLE_JS = r"""
       .then(function (doc) { message.textContent = (doc.ok ? "" : "refused: ") + doc.message; refresh(); })
       .catch(function (e) { message.textContent = "failed: " + e; });
   }
+  // A page loaded before the swarm started (templateArgs.state "ready") shows Locust's start
+  // form and polls nothing, so it never leaves that form by itself (seen: a tab opened in the
+  // second between the web UI coming up and the users spawning stayed empty). Once the run's
+  // load is running, the page is loaded again and its tabs, this one included, follow the run.
+  var loadedReady = !!(window.templateArgs && window.templateArgs.state === "ready");
+  function reloadOnceRunning() {
+    fetch("./stats/requests", {credentials: "same-origin"}).then(function (r) { return r.json(); })
+      .then(function (doc) { if (doc.state === "spawning" || doc.state === "running") { window.location.reload(); } })
+      .catch(function () {});
+  }
   var last = 0;
   function tick() {
     var show = onTab();
     panel.style.display = show ? "block" : "none";
-    if (show && Date.now() - last > 2000) { last = Date.now(); refresh(); }
+    if (Date.now() - last > 2000) {
+      last = Date.now();
+      if (loadedReady) { reloadOnceRunning(); }
+      if (show) { refresh(); }
+    }
   }
   function start() { document.body.appendChild(panel); tick(); window.setInterval(tick, 500); }
   if (document.readyState === "loading") { document.addEventListener("DOMContentLoaded", start); } else { start(); }

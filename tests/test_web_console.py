@@ -332,7 +332,8 @@ def test_the_console_answers_at_one_url_from_the_experiment_through_the_progress
             time.sleep(0.5)
 
     # min_looks: the phase lasts several looks whatever the effect, so the tab is read during it
-    exp = ExperimentConfig(requests_per_look=25, requests_per_arm=125, min_looks=5, window_s=2, users_per_replica=2,
+    # (a look holds 25-32 requests per arm by the 0.25 s tick, so 200 planned give at least 6)
+    exp = ExperimentConfig(requests_per_look=25, requests_per_arm=200, min_looks=5, window_s=2, users_per_replica=2,
                            max_tokens=12, max_duration_s=300, workers=1, worker_placement="local")
     out = h.runs_dir / h.run_id / "experiment"
     traffic = TrafficOptions(dataset="synthetic", input_tokens="8", max_tokens=12, model="stream-target",
