@@ -283,17 +283,10 @@ def warmup_end(records: Sequence[RequestRecord], plan: LookPlan) -> int | None:
 
     Whatever arrived before that record is warm-up too (another arm's extra requests, cancelled
     ones): the judged records are one unbroken stretch after it, as the looks need."""
-    wanted = plan.warmup_requests_per_arm
-    if wanted <= 0:
-        return 0
-    got = dict.fromkeys(plan.arms, 0)
-    for i, r in enumerate(records):
-        arm = record_arm(r)
-        if arm in got and not r.cancelled:
-            got[arm] += 1
-            if min(got.values()) >= wanted:
-                return i + 1
-    return None
+    try:  # the warm-up is a stored look of N completed requests per arm
+        return _boundaries_by_counts(records, [dict.fromkeys(plan.arms, plan.warmup_requests_per_arm)], plan.arms)[0]
+    except ValueError:  # the records do not hold it yet
+        return None
 
 
 def look_ends_by_rule(records: Sequence[RequestRecord], plan: LookPlan) -> list[int]:

@@ -352,8 +352,7 @@ class ExperimentPhase:
             "warmup_requests_per_arm": self.plan.warmup_requests_per_arm,
             # per arm with a warm-up; {} without one, so a run without one keeps the key paths it had
             # (tests/test_cli_run.py compares them with recorded runs')
-            "warmup_requests": requests_by_arm(self.warmup, self.arms) if self.plan.warmup_requests_per_arm
-            and self.warmup else {},
+            "warmup_requests": requests_by_arm(self.warmup, self.arms) if self.warmup else {},
             "arm_users": self.plan.arm_users,
             "information": self.fractions[-1] if self.fractions else 0.0,
             "requests": {arm: latency_samples(self.records, self.looks_of, arm).n_total for arm in self.arms},
