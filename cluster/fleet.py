@@ -12,6 +12,10 @@ With `model_cache`, between placement and launch each arm's hub model is staged 
 node its replicas landed on (cluster.staging), and those replicas then serve the local copy
 offline. At teardown each replica's server log is copied back through its actor (it runs on the
 replica's node) into `logs_back_to`, capped and redacted, so it outlives a RayJob cluster.
+
+An arm with `endpoints` is servers someone else runs: one `cluster.external_replica` actor per
+URL, with nothing reserved, bound, staged, launched or stopped for it; its start is only the
+wait for each server's /health.
 """
 
 from __future__ import annotations
@@ -23,11 +27,12 @@ from typing import Any
 from pathlib import Path
 
 import ray
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, model_validator
 from ray.util.placement_group import placement_group, remove_placement_group
 from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from cluster.engine_spec import EngineSpec
+from cluster.external_replica import ExternalReplica
 from cluster.metrics import MetricsSnapshot
 from cluster.placement import CPU_PLACEMENT_TIMEOUT_S, FLEET_START_SLACK_S, replica_bundle
 from cluster.ray_cluster import find_actor, kill_quietly
@@ -51,6 +56,31 @@ class ArmSpec(BaseModel):
     # reserved in each GPU replica's bundle and held by its actor (cluster.placement); the
     # run's config fills in tensor_parallel_size + 2 on GPU
     cpus_per_replica: float = Field(0.0, ge=0)
+    # servers someone else runs (cluster.external_replica): one replica per URL, nothing launched,
+    # reserved or bound here; `engine` then says what they serve (model name, speculative config)
+    endpoints: list[str] = Field(default_factory=list)
+    metrics_urls: list[str] | None = None  # one per endpoint; None: each endpoint's /metrics
+
+    @model_validator(mode="after")
+    def _one_replica_per_endpoint(self) -> "ArmSpec":
+        if self.endpoints and self.replicas != len(self.endpoints):
+            raise ValueError(f"arm {self.name}: {self.replicas} replicas for {len(self.endpoints)} endpoints")
+        if self.metrics_urls is not None and len(self.metrics_urls) != len(self.endpoints):
+            raise ValueError(f"arm {self.name}: {len(self.metrics_urls)} metrics_urls for {len(self.endpoints)} endpoints")
+        return self
+
+    @property
+    def external(self) -> bool:
+        return bool(self.endpoints)
+
+    @property
+    def launched_gpu(self) -> bool:
+        """Replicas this fleet starts on GPUs (an external arm's GPUs are someone else's)."""
+        return not self.external and self.engine.device == "gpu"
+
+    @property
+    def launched_cpu(self) -> bool:
+        return not self.external and self.engine.device == "cpu"
 
 
 class FleetStartError(RuntimeError):
@@ -108,25 +138,33 @@ class Fleet:
     # -- start -----------------------------------------------------------------
     def _reserve_gpus(self) -> list[PlacementGroupSchedulingStrategy | None]:
         specs = [(arm, i) for arm in self.arms for i in range(arm.replicas)]
-        if all(arm.engine.device == "cpu" for arm in self.arms):
+        if not any(arm.launched_gpu for arm in self.arms):
             return [None] * len(specs)
-        bundles = [replica_bundle(arm.engine, arm.cpus_per_replica) for arm, _ in specs]
+        # every replica this fleet starts gets a bundle (CPU ones too, as before); external ones none
+        reserved = [(arm, i) for arm, i in specs if not arm.external]
+        bundles = [replica_bundle(arm.engine, arm.cpus_per_replica) for arm, _ in reserved]
         pg_options = {"name": f"{self.actor_name_prefix}gpus", "lifetime": "detached"} if self.detached else {}
         pg = placement_group(bundles, strategy="PACK", **pg_options)
         if not _wait_placement(pg, self.placement_timeout_s, self.progress):
             remove_placement_group(pg)
             need = ", ".join(
-                f"{arm.name}: {arm.replicas} x {replica_bundle(arm.engine, arm.cpus_per_replica)}" for arm in self.arms
+                f"{arm.name}: {arm.replicas} x {replica_bundle(arm.engine, arm.cpus_per_replica)}"
+                for arm in self.arms if not arm.external
             )
             raise FleetStartError(
                 f"the cluster cannot place every replica ({need}) within {self.placement_timeout_s:g} s "
                 f"(placement_timeout_s); available: {ray.available_resources()}"
             )
         self._placement_group = pg
-        return [
-            PlacementGroupSchedulingStrategy(placement_group=pg, placement_group_bundle_index=i)
-            for i in range(len(specs))
-        ]
+        strategies: list[PlacementGroupSchedulingStrategy | None] = []
+        bundle = 0
+        for arm, _ in specs:
+            if arm.external:
+                strategies.append(None)
+                continue
+            strategies.append(PlacementGroupSchedulingStrategy(placement_group=pg, placement_group_bundle_index=bundle))
+            bundle += 1
+        return strategies
 
     def plan_cpu_cores(self) -> dict[str, str | None]:
         """Replica name -> the cores it is bound to (None: unbound, shares cores).
@@ -136,16 +174,18 @@ class Fleet:
         cluster is a single node and their threads fit into its cores, each replica gets
         disjoint cores; otherwise they stay unbound and `core_sharing` says so.
         """
-        names = [(f"{arm.name}-{i}", arm) for arm in self.arms for i in range(arm.replicas)]
-        if not all(arm.engine.device == "cpu" for arm in self.arms):
-            return {name: None for name, _ in names}
+        every = [(f"{arm.name}-{i}", arm) for arm in self.arms for i in range(arm.replicas)]
+        names = [(name, arm) for name, arm in every if not arm.external]  # an external server's cores are not ours
+        if not names or any(arm.launched_gpu for _, arm in names):
+            return {name: None for name, _ in every}
         explicit = {name: arm.engine.cpu.cores for name, arm in names if arm.engine.cpu.cores}
         nodes = [n for n in ray.nodes() if n.get("Alive")]
         cores = int(nodes[0].get("Resources", {}).get("CPU", 0)) if len(nodes) == 1 else 0
         wanted = sum(arm.engine.cpu.omp_threads for _, arm in names)
         if explicit or len(nodes) != 1 or wanted > cores:
-            return {name: explicit.get(name) for name, _ in names}
-        plan, next_core = {}, 0
+            return {name: explicit.get(name) for name, _ in every}
+        plan: dict[str, str | None] = {name: None for name, _ in every}
+        next_core = 0
         for name, arm in names:
             n = arm.engine.cpu.omp_threads
             plan[name] = str(next_core) if n == 1 else f"{next_core}-{next_core + n - 1}"
@@ -155,9 +195,10 @@ class Fleet:
     @property
     def core_sharing(self) -> str | None:
         """Why replicas share cores (the report says so), or None when each has its own."""
-        if not all(arm.engine.device == "cpu" for arm in self.arms):
+        launched = [arm for arm in self.arms if not arm.external]
+        if not launched or not all(arm.launched_cpu for arm in launched):
             return None
-        if all(self.cpu_cores.get(f"{arm.name}-{i}") for arm in self.arms for i in range(arm.replicas)):
+        if all(self.cpu_cores.get(f"{arm.name}-{i}") for arm in launched for i in range(arm.replicas)):
             return None
         return "CPU replicas are not bound to cores of their own (more OMP threads than cores, or several nodes)"
 
@@ -175,8 +216,8 @@ class Fleet:
                 engine = arm.engine
                 if self.cpu_cores.get(name) and engine.device == "cpu":
                     engine = engine.model_copy(update={"cpu": engine.cpu.model_copy(update={"cores": self.cpu_cores[name]})})
-                options: dict = {"num_gpus": arm.engine.tensor_parallel_size if arm.engine.device == "gpu" else 0}
-                if arm.engine.device == "gpu" and arm.cpus_per_replica > 0:
+                options: dict = {"num_gpus": arm.engine.tensor_parallel_size if arm.launched_gpu else 0}
+                if arm.launched_gpu and arm.cpus_per_replica > 0:
                     options["num_cpus"] = arm.cpus_per_replica  # the bundle's CPUs, held by the replica
                 if strategies[index] is not None:
                     options["scheduling_strategy"] = strategies[index]
@@ -186,10 +227,16 @@ class Fleet:
                     options["namespace"] = self.namespace
                 if self.detached:
                     options["lifetime"] = "detached"
-                pg_name = f"{self.actor_name_prefix}gpus" if self.detached and self._placement_group is not None else None
-                actor = VLLMReplica.options(**options).remote(
-                    name, arm.name, engine.model_dump(), str(Path(self.log_dir).resolve()), self.bind_host, pg_name
-                )
+                if arm.external:
+                    actor = ExternalReplica.options(**options).remote(
+                        name, arm.name, arm.endpoints[i], arm.metrics_urls[i] if arm.metrics_urls else None,
+                        arm.engine.startup_timeout_s,
+                    )
+                else:
+                    pg_name = f"{self.actor_name_prefix}gpus" if self.detached and self._placement_group is not None else None
+                    actor = VLLMReplica.options(**options).remote(
+                        name, arm.name, engine.model_dump(), str(Path(self.log_dir).resolve()), self.bind_host, pg_name
+                    )
                 if self.lease_s:
                     # at once: an owner that dies before its first renewal must not leave an unleased replica
                     actor.renew_lease.remote(self.lease_s)
@@ -227,7 +274,8 @@ class Fleet:
     def stage_weights(self) -> float:
         """Stage every arm's hub model on the nodes its replicas landed on (one task per node), then
         point those replicas at the local copies, offline; the seconds it took (0: nothing to stage)."""
-        models = {arm.name: arm.engine.model for arm in self.arms if not is_local_model(arm.engine.model)}
+        models = {arm.name: arm.engine.model for arm in self.arms
+                  if not arm.external and not is_local_model(arm.engine.model)}
         handles = [r for r in self.replicas if r.arm in models]
         if not self.model_cache or not handles:
             return 0.0
@@ -422,8 +470,11 @@ class Fleet:
         except OSError as exc:
             self.progress(f"fleet: teardown: replica logs not copied back: {exc}")
             return
+        external = {arm.name for arm in self.arms if arm.external}
         refs = []
         for r in self.replicas:
+            if r.arm in external:
+                continue  # its log is on someone else's machine
             try:
                 refs.append((r, r.actor.log_copy.remote(self.log_copy_bytes)))
             except AttributeError:  # an actor of an earlier version (a resumed run)
