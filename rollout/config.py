@@ -10,6 +10,7 @@ from __future__ import annotations
 import math
 from pathlib import Path
 from typing import Any, Literal
+from urllib.parse import urlsplit
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
@@ -80,6 +81,16 @@ class ArmConfig(BaseModel):
     tiny_model: TinyModelOptions | None = Field(
         None, description="write the tiny checkpoint and serve it (engine.model is then ignored)"
     )
+    endpoints: list[str] = Field(
+        default_factory=list,
+        max_length=1024,
+        description="servers someone else started and runs (Kubernetes, KServe, llm-d), one replica each, e.g. "
+        "['http://10.0.0.5:8000']: nothing is launched, reserved or stopped for this arm; `engine` then says what they "
+        "serve (served_model_name, speculative_config; env.VLLM_API_KEY: their key on /v1); replicas follows the list",
+    )
+    metrics_urls: list[str] | None = Field(
+        None, description="one Prometheus URL per endpoint (null: each endpoint's /metrics, as vLLM serves it)"
+    )
 
     @model_validator(mode="before")
     @classmethod
@@ -90,6 +101,70 @@ class ArmConfig(BaseModel):
             engine.setdefault("served_model_name", "tiny-mimo-v2")
             data = {**data, "engine": engine}
         return data
+
+    @model_validator(mode="before")
+    @classmethod
+    def _endpoints_are_the_replicas(cls, data: Any) -> Any:
+        if isinstance(data, dict) and isinstance(data.get("endpoints"), list) and data["endpoints"]:
+            given = data.get("replicas")
+            if given is not None and given != len(data["endpoints"]):
+                raise ValueError(f"replicas: {given} for {len(data['endpoints'])} endpoints (leave it out: one replica "
+                                 "per endpoint)")
+            data = {**data, "replicas": len(data["endpoints"])}
+        return data
+
+    @field_validator("endpoints", "metrics_urls")
+    @classmethod
+    def _server_urls(cls, urls: list[str] | None) -> list[str] | None:
+        if urls is None:
+            return None
+        cleaned = [endpoint_url(url) for url in urls]
+        if len(set(cleaned)) != len(cleaned):
+            raise ValueError("lists one server twice")
+        return cleaned
+
+    @property
+    def launched(self) -> bool:
+        """This run starts the arm's replicas (False: its endpoints run elsewhere)."""
+        return not self.endpoints
+
+    @model_validator(mode="after")
+    def _endpoints_are_not_launched(self) -> "ArmConfig":
+        if self.endpoints and self.tiny_model is not None:
+            raise ValueError("endpoints and tiny_model: an external server serves its own model (drop tiny_model, or "
+                             "the endpoints to let the run start the tiny checkpoint)")
+        if self.metrics_urls is not None and len(self.metrics_urls) != len(self.endpoints):
+            raise ValueError(f"metrics_urls: {len(self.metrics_urls)} for {len(self.endpoints)} endpoints")
+        return self
+
+
+def endpoint_url(url: str) -> str:
+    """An external server's base URL, checked: http(s), a host, no credentials, query or fragment
+    (a URL is recorded in decision.json and the log: a key belongs in engine.env.VLLM_API_KEY)."""
+    parts = urlsplit(url) if isinstance(url, str) else None
+    if parts is None or parts.scheme not in ("http", "https") or not parts.hostname:
+        raise ValueError(f"{url!r} is not an http(s) URL with a host")
+    if parts.username or parts.password:
+        raise ValueError(f"{parts.hostname}: credentials in the URL would be recorded; give the server's key as engine.env.VLLM_API_KEY")
+    if parts.query or parts.fragment:
+        raise ValueError(f"{parts.hostname}: no query or fragment in a server's URL")
+    return url.rstrip("/")
+
+
+class WeightHookConfig(BaseModel):
+    """A command run with every traffic weight the run sets for the canary (Argo Rollouts' and Flagger's
+    traffic routing, as a hook): the run's own router splits only the run's load; this moves the real
+    traffic (a mesh's VirtualService, a gateway's weights, an llm-d route). Fail closed: a hook that
+    exits non-zero or overruns timeout_s ends the run as an infrastructure error (the weight back to 0)."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    command: list[str] = Field(
+        ..., min_length=1,
+        description="argv, no shell; {weight} (0-100), {run_id} and {phase} are replaced; the environment also has "
+        "MTP_CANARY_WEIGHT, MTP_CANARY_RUN_ID, MTP_CANARY_PHASE and MTP_CANARY_REASON",
+    )
+    timeout_s: float = Field(60, gt=0, le=3600, description="how long one call may take")
 
 
 class AccuracyConfig(EvalSpec):
@@ -341,6 +416,10 @@ class RolloutConfig(BaseModel):
     experiment: ExperimentConfig = Field(default_factory=ExperimentConfig)
     gates: GatesConfig = Field(default_factory=GatesConfig)
     progressive: ProgressiveConfig = Field(default_factory=ProgressiveConfig)
+    weight_hook: WeightHookConfig | None = Field(
+        None, description="a command called with every canary traffic weight the run sets (progressive steps, the "
+        "decision, a rollback): what moves production traffic"
+    )
     webhook_url: str | None = Field(None, description="POST decision.json here when the run ends (never blocks it)")
     webhook_allow_http: bool = Field(False, description="allow a plain http:// webhook beyond loopback")
     router: RouterLimits = Field(
@@ -392,6 +471,9 @@ class RolloutConfig(BaseModel):
         if self.accuracy.enabled and self.accuracy.kind == "golden" and not self.accuracy.path:
             if self.baseline.tiny_model is None:
                 raise ValueError("accuracy.path is required for a golden eval (or serve tiny_model)")
+        if self.twin_baseline and self.baseline.endpoints:
+            raise ValueError("twin_baseline with baseline.endpoints: the twin is a second set of baseline servers this "
+                             "run starts; judge the noise floor with a run of its own, or drop twin_baseline")
         if not self.accuracy.enabled and not self.experiment.enabled and not self.progressive.enabled:
             raise ValueError("accuracy, experiment and progressive are all disabled: nothing to judge")
         exp = self.experiment
@@ -451,9 +533,9 @@ class RolloutConfig(BaseModel):
         arms = (self.baseline, self.canary)
         for arm in arms:
             if arm.cpus_per_replica is None:
-                arm.cpus_per_replica = default_cpus_per_replica(arm.engine)
-        if self.placement_timeout_s is None:
-            self.placement_timeout_s = default_placement_timeout_s([arm.engine for arm in arms])
+                arm.cpus_per_replica = default_cpus_per_replica(arm.engine) if arm.launched else 0.0
+        if self.placement_timeout_s is None:  # servers that run elsewhere are placed by nobody here
+            self.placement_timeout_s = default_placement_timeout_s([arm.engine for arm in arms if arm.launched])
         engine_s = max(arm.engine.startup_timeout_s for arm in arms)
         need = self.placement_timeout_s + engine_s
         if self.startup_timeout_s is None:

@@ -118,13 +118,18 @@ def _arms(cfg) -> list[tuple[str, Any]]:
     return arms + [(TWIN, cfg.baseline)] if cfg.twin_baseline else arms
 
 
+def _launched_arms(cfg) -> list[tuple[str, Any]]:
+    """The arms whose replicas the run starts (an arm with endpoints runs elsewhere: nothing placed)."""
+    return [(name, arm) for name, arm in _arms(cfg) if arm.launched]
+
+
 def gpu_hours(cfg) -> dict[str, Any]:
     """GPU-hours the run may hold: GPUs (replicas x tensor_parallel_size over GPU arms) x the
     planned duration, each phase at its bound: the fleet start at startup_timeout_s, the
     experiment at max_duration_s, the sweep's levels x step_s, the progressive steps' bake_s
     (and pause_timeout_s where a step pauses). The accuracy phase has no time bound and is
     left out (so is the gap between phases)."""
-    gpus = sum(arm.replicas * arm.engine.tensor_parallel_size for _, arm in _arms(cfg) if arm.engine.device == "gpu")
+    gpus = sum(arm.replicas * arm.engine.tensor_parallel_size for _, arm in _launched_arms(cfg) if arm.engine.device == "gpu")
     phases = {"fleet_start_s": cfg.startup_timeout_s}
     if cfg.experiment.enabled:
         phases["experiment_s"] = cfg.experiment.max_duration_s
@@ -160,7 +165,7 @@ def plan_replicas(cfg) -> list[ReplicaPlan]:
 
     return [
         ReplicaPlan(name=f"{arm}-{i}", arm=arm, bundle=replica_bundle(a.engine, a.cpus_per_replica))
-        for arm, a in _arms(cfg) for i in range(a.replicas)
+        for arm, a in _launched_arms(cfg) for i in range(a.replicas)
     ]
 
 
@@ -176,6 +181,8 @@ def place(replicas: list[ReplicaPlan], wait_s: float) -> str | None:
         ctx = ray.get_runtime_context()
         return ctx.get_node_id(), ray.util.get_node_ip_address(), [str(g) for g in ctx.get_accelerator_ids().get("GPU", [])]
 
+    if not replicas:
+        return None  # every arm runs elsewhere (endpoints): nothing to place
     pg = placement_group([r.bundle for r in replicas], strategy="PACK")
     try:
         try:
@@ -268,7 +275,7 @@ def wants_node_check(cfg) -> bool:
 
     from cluster.placement import alive_nodes
 
-    gpu_engines = any(arm.engine.device == "gpu" for _, arm in _arms(cfg))
+    gpu_engines = any(arm.engine.device == "gpu" for _, arm in _launched_arms(cfg))
     return gpu_engines or len(alive_nodes(ray.nodes())) > 1
 
 
@@ -299,7 +306,7 @@ def weights_cached(cfg, nodes: list[NodeCheck]) -> list[str]:
     """Fill in each replica node's `weights` (model_cache); a note per node that would download."""
     from cluster.staging import hub_models, probe_cached
 
-    models = hub_models(arm.engine.model for _, arm in _arms(cfg))
+    models = hub_models(arm.engine.model for _, arm in _launched_arms(cfg))
     replica_nodes = [n for n in nodes if any(role not in ("driver", "locust") for role in n.roles) and not n.problems]
     if not cfg.model_cache or not models or not replica_nodes:
         return []

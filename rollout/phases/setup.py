@@ -56,6 +56,11 @@ def resolve_arm_engine(arm: ArmConfig, cache_dir: Path, progress: Progress, sizi
     return arm.engine.model_copy(update=update)
 
 
+def arm_config(cfg, arm: str) -> ArmConfig:
+    """The config of one arm (the twin is a second baseline)."""
+    return cfg.canary if arm == CANARY else cfg.baseline
+
+
 class Prepare:
     """Each arm's engine; one sizing of the tiny model for both arms (like with like)."""
 
@@ -76,7 +81,7 @@ class Prepare:
         if cfg.twin_baseline:
             ctx.engines[TWIN] = ctx.engines[BASELINE]
         for arm, engine in ctx.engines.items():
-            arm_cfg = cfg.canary if arm == CANARY else cfg.baseline
+            arm_cfg = arm_config(cfg, arm)
             # what the record shows (decision.json, report, webhook, the stable mark): no secrets;
             # the replicas are started from ctx.engines, with the real env and args
             result.arms[arm] = {
@@ -84,6 +89,8 @@ class Prepare:
                 "engine": redact_engine(engine.model_dump(mode="json")),
                 "tiny_model": arm_cfg.tiny_model.model_dump() if arm_cfg.tiny_model else None,
             }
+            if arm_cfg.endpoints:  # servers this run judges but did not start (credentials refused by the config)
+                result.arms[arm]["endpoints"] = list(arm_cfg.endpoints)
         result.timings["prepare_s"] = time.monotonic() - t0
 
 
@@ -123,7 +130,8 @@ class StartFleet:
         t0 = time.monotonic()
         arms = [
             ArmSpec(name=arm, engine=engine, replicas=ctx.result.arms[arm]["replicas"],
-                    cpus_per_replica=(cfg.canary if arm == CANARY else cfg.baseline).cpus_per_replica)
+                    cpus_per_replica=arm_config(cfg, arm).cpus_per_replica,
+                    endpoints=arm_config(cfg, arm).endpoints, metrics_urls=arm_config(cfg, arm).metrics_urls)
             for arm, engine in ctx.engines.items()
         ]
         # Named and detached in the run's namespace: a resumed controller finds them.
