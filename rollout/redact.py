@@ -10,6 +10,7 @@ redacting once) and a no-op on data without secrets (a recorded decision.json ro
 - `redact_args`: the value of every secret-bearing flag in `extra_args` (cluster.engine_spec
   says which: --api-key, --hf-token, any flag with a token/key/secret/password/credential word);
 - `redact_url`: a webhook URL -> scheme and host only (its path or query often is the token);
+- `redact_hook`: a weight_hook's command -> its program, the arguments REDACTED;
 - `redact_config` / `redact_document`: every `engine` mapping and `webhook_url` at any depth of
   a config dict or a decision document (arms of any name, lists of arms, promoted.yaml);
 - `known_secrets` and `scrub`: the secret strings of a config, replaced wherever they appear in
@@ -32,6 +33,7 @@ __all__ = [
     "redact_document",
     "redact_engine",
     "redact_env",
+    "redact_hook",
     "redact_url",
     "scrub",
 ]
@@ -76,6 +78,16 @@ def redact_engine(engine: Mapping[str, Any]) -> dict[str, Any]:
     return out
 
 
+def redact_hook(hook: Mapping[str, Any]) -> dict[str, Any]:
+    """A weight_hook as it may be shown: its program, every argument REDACTED (an argv may carry a
+    bearer token or a kubeconfig path; what the hook does is the operator's to know, not the record's)."""
+    out = dict(hook)
+    command = out.get("command")
+    if isinstance(command, list) and command:
+        out["command"] = [str(command[0])] + [REDACTED] * (len(command) - 1)
+    return out
+
+
 def _redact_tree(value: Any) -> Any:
     if isinstance(value, Mapping):
         out: dict[Any, Any] = {}
@@ -84,6 +96,8 @@ def _redact_tree(value: Any) -> Any:
                 out[key] = redact_engine(_redact_tree(item))
             elif key == "webhook_url" and (item is None or isinstance(item, str)):
                 out[key] = redact_url(item)
+            elif key == "weight_hook" and isinstance(item, Mapping):
+                out[key] = redact_hook(item)
             else:
                 out[key] = _redact_tree(item)
         return out

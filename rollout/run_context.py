@@ -27,6 +27,7 @@ from rollout.judge.verdicts import Decision
 from rollout.result import RunResult
 from rollout.resume import ResumePoint
 from rollout.store import RunStore
+from rollout.weight_hook import WeightHookError, call_weight_hook
 
 Progress = Callable[[str], None]
 
@@ -212,10 +213,21 @@ class RunContext:
         self.store.update_run(self.run_id, phase=phase)
 
     def set_canary_weight(self, weight: float, phase: str, reason: str) -> None:
+        """The canary's share of the router's traffic, then of the real traffic (cfg.weight_hook):
+        a hook that does not confirm the weight is an InfrastructureError (where the traffic is,
+        is then unknown: no verdict)."""
         self.router.set_canary_weight(weight)
         self.canary_weight = weight
         self.store.update_run(self.run_id, canary_weight=weight)
-        self.event(phase, "weights", f"canary {weight:g}%: {reason}")
+        hooked = ""
+        if self.cfg.weight_hook is not None:
+            try:
+                call = call_weight_hook(self.cfg.weight_hook, weight, self.run_id, phase, reason)
+            except WeightHookError as exc:
+                self.event(phase, "weights", f"canary {weight:g}% on the router; {exc}")
+                raise InfrastructureError(str(exc)) from None
+            hooked = f" (weight_hook: {call.seconds:.1f} s)"
+        self.event(phase, "weights", f"canary {weight:g}%: {reason}{hooked}")
 
     def aborted(self, phase: str) -> bool:
         """`mtp-canary abort RUN_ID` arrived: the decision is ROLLBACK (the canary never got traffic weight)."""
