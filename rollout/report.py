@@ -191,6 +191,8 @@ def _progressive(doc: dict[str, Any]) -> list[str]:
     if prog.get("requests_received") is not None:
         lines.append(f"\nRequests the router received in the phase: {prog['requests_received']}; "
                      f"request records stored: {prog.get('records_stored')}.")
+    if prog.get("advisory"):
+        lines.append(f"\nThe steps are {prog['advisory']}.")
     return lines
 
 

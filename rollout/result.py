@@ -148,6 +148,11 @@ class ProgressiveSummary(Summary):
     records_stored: int | None
     attempt: int
     duration_s: float
+    # why the steps moved no real traffic (arms with endpoints and no weight_hook); absent otherwise
+    advisory: str | None = None
+
+    def document(self) -> dict[str, Any]:
+        return self.model_dump(mode="json", exclude={"advisory"} if self.advisory is None else None)
 
 
 class SpecDecodeSummary(Summary):

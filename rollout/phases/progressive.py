@@ -20,6 +20,17 @@ from rollout.run_context import RunContext
 PROGRESSIVE_SEED_OFFSET = 1000  # the progressive load's prompts differ from the experiment's
 
 
+def advisory_reason(cfg) -> str | None:
+    """Why the steps are advisory: servers someone else runs (endpoints) take real traffic the
+    run's router does not split, and without a weight_hook nothing moves it (None: the steps move
+    the traffic they judge)."""
+    external = [name for name, arm in (("baseline", cfg.baseline), ("canary", cfg.canary)) if arm.endpoints]
+    if not external or cfg.weight_hook is not None:
+        return None
+    return (f"advisory: {' and '.join(external)} run elsewhere (endpoints) and no weight_hook moves their traffic; "
+            "the steps weighed this run's own load only")
+
+
 def load_name(attempt: int) -> str:
     return f"load-attempt-{attempt}"
 
@@ -49,7 +60,10 @@ class Progressive:
             "progressive: steps "
             + " -> ".join(f"{s.canary_weight:g}%" + (" (pause)" if s.pause else "") for s in prog.steps)
         )
-        ctx.event("progressive", "start", f"{len(prog.steps)} steps")
+        advisory = advisory_reason(ctx.cfg)
+        if advisory:
+            ctx.say(f"progressive: {advisory}")
+        ctx.event("progressive", "start", f"{len(prog.steps)} steps" + (f"; {advisory}" if advisory else ""))
         t0 = time.monotonic()
         outcome = run_progressive(self._context(ctx, first_step, previous[-1] if previous else None))
         ctx.result.progressive = ProgressiveSummary(
@@ -59,6 +73,7 @@ class Progressive:
             records_stored=outcome.records_stored,
             attempt=ctx.attempt,
             duration_s=time.monotonic() - t0,
+            advisory=advisory,
         )
         verdict = ProgressiveVerdict(outcome.decision, outcome.reason, outcome.guards, ctx.result.progressive)
         ctx.store.put_phase_result(ctx.run_id, PROGRESSIVE_OUTCOME, 1, verdict.stored())
