@@ -7,7 +7,7 @@ knows nothing of Ray, the cluster or the gates, and this file imports nothing, s
 
   records        RequestRecord: one request as the client saw it; JSONL read/write
   options        TrafficOptions: the --mtp-* flags as one typed object
-  datasets       seeded prompt sources (synthetic, gsm8k, user JSONL)
+  datasets       seeded prompt sources (synthetic, shared-prefix groups, gsm8k, user JSONL)
   arrivals       open-loop schedules (constant, Poisson, gamma), partitioned over workers
   profiles       stepped and ramped load (levels over time), for both loops
   shapes         the Locust load shape that plays a profile (imports Locust)

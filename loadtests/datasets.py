@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal, Protocol
 
-DatasetKind = Literal["synthetic", "gsm8k", "jsonl"]
+DatasetKind = Literal["synthetic", "gsm8k", "jsonl", "shared_prefix"]
 
 
 @dataclass(frozen=True)
@@ -138,6 +138,49 @@ class SyntheticPrompts:
         return Prompt(index=index, text=text, max_tokens=n_output, ignore_eos=True)
 
 
+class SharedPrefixPrompts:
+    """Groups of prompts that share a long prefix: `groups` prefixes (a system prompt, a document)
+    of `prefix_tokens` words, each prompt one of them plus a suffix of its own drawn from
+    `input_tokens`, asking for an exact output length (as SyntheticPrompts).
+
+    What it is for: the prefix cache's hits (vLLM's `vllm:prefix_cache_hits` / `queries`). Both
+    arms walk the same sequence, so they see the same groups in the same order; an arm whose
+    hit rate falls far below the other's under it has a prefix cache that does not work as the
+    baseline's does. Item i's group is drawn per item (seeded), so a group's requests are spread
+    over the run, as a shared system prompt's are in production.
+    """
+
+    name = "shared_prefix"
+    has_chats = False
+
+    def __init__(self, groups: int, prefix_tokens: int, input_tokens: LengthDistribution,
+                 output_tokens: LengthDistribution, seed: int = 0) -> None:
+        if groups < 1 or prefix_tokens < 1:
+            raise ValueError(f"shared_prefix needs at least one group and one prefix token (got {groups}, {prefix_tokens})")
+        self.groups = groups
+        self.prefix_tokens = prefix_tokens
+        self.input_tokens = input_tokens
+        self.output_tokens = output_tokens
+        self.seed = seed
+        self._prefixes: dict[int, str] = {}
+
+    def prefix(self, group: int) -> str:
+        if group not in self._prefixes:
+            rng = random.Random(f"mtp-prefix:{self.seed}:{group}")
+            self._prefixes[group] = " ".join(rng.choices(_WORDS, k=self.prefix_tokens))
+        return self._prefixes[group]
+
+    def group_of(self, index: int) -> int:
+        return random.Random(f"mtp-prefix-group:{self.seed}:{index}").randrange(self.groups)
+
+    def prompt(self, index: int) -> Prompt:
+        rng = random.Random(f"mtp-shared-prefix:{self.seed}:{index}")
+        suffix = " ".join(rng.choices(_WORDS, k=self.input_tokens.sample(rng)))
+        n_output = self.output_tokens.sample(rng)
+        return Prompt(index=index, text=f"{self.prefix(self.group_of(index))}\n{suffix}", max_tokens=n_output,
+                      ignore_eos=True)
+
+
 class _ShuffledItems:
     """Items of a file in a seeded order that is reshuffled every pass over the file."""
 
@@ -240,10 +283,15 @@ def open_prompt_source(
     input_tokens: str = "128",
     output_tokens: str = "128",
     seed: int = 0,
+    prefix_groups: int = 8,
+    prefix_tokens: int = 256,
 ) -> PromptSource:
     """The prompt source a run's options name; a bad path or spec raises ValueError."""
     if kind == "synthetic":
         return SyntheticPrompts(LengthDistribution.parse(input_tokens), LengthDistribution.parse(output_tokens), seed)
+    if kind == "shared_prefix":
+        return SharedPrefixPrompts(prefix_groups, prefix_tokens, LengthDistribution.parse(input_tokens),
+                                   LengthDistribution.parse(output_tokens), seed)
     if path is None:
         raise ValueError(f"dataset {kind!r} needs a path (--mtp-dataset-path)")
     if not Path(path).is_file():
@@ -252,4 +300,4 @@ def open_prompt_source(
         return Gsm8kQuestions(path, seed)
     if kind == "jsonl":
         return JsonlPrompts(path, seed)
-    raise ValueError(f"unknown dataset kind {kind!r} (synthetic, gsm8k or jsonl)")
+    raise ValueError(f"unknown dataset kind {kind!r} (synthetic, shared_prefix, gsm8k or jsonl)")

@@ -34,7 +34,10 @@ class TrafficOptions(BaseModel):
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
-    dataset: DatasetKind = Field("synthetic", description="prompt source: synthetic, gsm8k or jsonl")
+    dataset: DatasetKind = Field(
+        "synthetic", description="prompt source: synthetic, shared_prefix (synthetic suffixes after shared prefixes), "
+        "gsm8k or jsonl"
+    )
     dataset_path: str | None = Field(
         None, description="JSONL file for gsm8k ({'question'}) or jsonl ({'prompt'} or {'messages'})"
     )
@@ -44,6 +47,8 @@ class TrafficOptions(BaseModel):
     output_tokens: str | None = Field(
         None, description="synthetic output length distribution (default: exactly --mtp-max-tokens)"
     )
+    prefix_groups: int = Field(8, ge=1, le=100_000, description="shared_prefix: how many distinct prefixes")
+    prefix_tokens: int = Field(256, ge=1, le=1_000_000, description="shared_prefix: each prefix's length in tokens (~words)")
     max_tokens: int = Field(128, ge=1, description="max_tokens of each request (datasets without their own)")
     ignore_eos: bool = Field(False, description="send ignore_eos (always on for synthetic: exact output lengths)")
     endpoint: Endpoint = Field("completions", description="completions (/v1/completions) or chat (/v1/chat/completions)")
@@ -101,9 +106,9 @@ class TrafficOptions(BaseModel):
 
     @model_validator(mode="after")
     def _consistent(self) -> TrafficOptions:
-        if self.dataset != "synthetic" and not self.dataset_path:
+        if self.dataset not in ("synthetic", "shared_prefix") and not self.dataset_path:
             raise ValueError(f"dataset {self.dataset!r} needs --mtp-dataset-path")
-        if self.dataset == "synthetic":
+        if self.dataset in ("synthetic", "shared_prefix"):
             LengthDistribution.parse(self.input_tokens)
             LengthDistribution.parse(self.synthetic_output_tokens)
         if self.arm_pin is not None and not self.pinned_arms:

@@ -52,6 +52,8 @@ class TrafficShare:
             input_tokens=options.input_tokens,
             output_tokens=options.synthetic_output_tokens,
             seed=options.seed,
+            prefix_groups=options.prefix_groups,
+            prefix_tokens=options.prefix_tokens,
         )
         if self.prompts.has_chats and options.endpoint != "chat":
             raise ValueError("the dataset holds chat conversations: use --mtp-endpoint chat")

@@ -270,9 +270,16 @@ class ExperimentConfig(BaseModel):
         "replica at every moment and both walk the same prompts; default: each request takes the next arm in turn "
         "(equal request counts, but the streams on each arm drift as the faster arm's users come back sooner)",
     )
-    dataset: str = Field("synthetic", description="synthetic, gsm8k or jsonl")
+    dataset: Literal["synthetic", "shared_prefix", "gsm8k", "jsonl"] = Field(
+        "synthetic", description="synthetic; shared_prefix (prefix_groups prefixes of prefix_tokens words, each prompt "
+        "one of them plus an input_tokens suffix: the prefix cache's hits, per arm in arms.<arm>.kv); gsm8k or jsonl "
+        "(dataset_path)"
+    )
     dataset_path: str | None = None
-    input_tokens: str = Field("64", description="synthetic prompt length: N, uniform:A:B, normal:M:S, lognormal:M:S")
+    input_tokens: str = Field("64", description="synthetic prompt length (shared_prefix: the suffix's): N, uniform:A:B, "
+                              "normal:M:S, lognormal:M:S")
+    prefix_groups: int = Field(8, ge=1, le=100_000, description="shared_prefix: how many distinct prefixes")
+    prefix_tokens: int = Field(256, ge=1, le=1_000_000, description="shared_prefix: each prefix's length (~words)")
     max_tokens: int = Field(64, ge=2)
     endpoint: str = Field("completions", description="completions or chat")
     workers: int = Field(1, ge=0, description="Locust worker processes (0: one local process)")

@@ -118,6 +118,8 @@ class TrafficPlan:
             "dataset": exp.dataset,
             "dataset_path": exp.dataset_path,
             "input_tokens": exp.input_tokens,
+            "prefix_groups": exp.prefix_groups,
+            "prefix_tokens": exp.prefix_tokens,
             "max_tokens": exp.max_tokens,
             "endpoint": exp.endpoint,
         }

@@ -106,6 +106,30 @@ def test_open_prompt_source_needs_a_file(tmp_path):
         open_prompt_source("jsonl")
 
 
+def test_shared_prefix_prompts_are_groups_of_one_long_prefix_and_a_suffix_of_their_own():
+    source = open_prompt_source("shared_prefix", input_tokens="uniform:8:16", output_tokens="12", seed=5,
+                                prefix_groups=4, prefix_tokens=200)
+    prompts = [source.prompt(i) for i in range(400)]
+    prefixes = [p.text.split("\n", 1)[0] for p in prompts]
+    assert len(set(prefixes)) == 4 and all(len(x.split()) == 200 for x in prefixes)
+    assert min(prefixes.count(x) for x in set(prefixes)) > 60  # every group is used, none starved
+    suffixes = [p.text.split("\n", 1)[1] for p in prompts]
+    assert all(8 <= len(x.split()) <= 16 for x in suffixes) and len(set(suffixes)) > 390
+    assert all(p.max_tokens == 12 and p.ignore_eos for p in prompts)
+    # a function of (seed, position): any worker, any order; another seed, other prefixes
+    again = open_prompt_source("shared_prefix", input_tokens="uniform:8:16", output_tokens="12", seed=5,
+                               prefix_groups=4, prefix_tokens=200)
+    assert [again.prompt(i) for i in reversed(range(400))][::-1] == prompts
+    other = open_prompt_source("shared_prefix", seed=6, prefix_groups=4, prefix_tokens=200)
+    assert not {other.prompt(i).text.split("\n", 1)[0] for i in range(50)} & set(prefixes)
+    # the options carry it to every worker as flags, and refuse nonsense
+    options = TrafficOptions(dataset="shared_prefix", prefix_groups=3, prefix_tokens=50, input_tokens="8", max_tokens=4)
+    share = TrafficShare(options, SlotPlan(slot=0, n_slots=1, start_at=0.0))
+    assert len({share.prompts.prompt(i).text.split("\n", 1)[0] for i in range(60)}) == 3
+    with pytest.raises(ValueError, match="prefix_groups"):
+        TrafficOptions(dataset="shared_prefix", prefix_groups=0)
+
+
 # --- arrivals ------------------------------------------------------------------------
 
 
