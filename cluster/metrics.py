@@ -15,6 +15,11 @@ labels carry num_gpu_blocks, block_size and kv_cache_size_tokens). k=3 and k=1 m
 KV capacity (the drafts' KV) and preempt differently: `kv_stats` reduces the snapshots sampled
 during a phase (`MetricsSampler`) to an arm's peak and mean usage, its preemptions in the
 phase and its capacity.
+
+Prefix cache: `vllm:prefix_cache_queries_total` / `vllm:prefix_cache_hits_total` (counters, in
+prompt tokens looked up / found). An arm's hit rate over a phase is the rise of hits over the
+rise of queries, summed over its replicas (`kv_stats`); it means most under a shared-prefix load
+(loadtests.datasets.SharedPrefixPrompts), where both arms see the same groups.
 """
 
 from __future__ import annotations
@@ -36,6 +41,8 @@ PROMPT_TOKENS = "vllm:prompt_tokens_total"
 KV_USAGE = "vllm:kv_cache_usage_perc"
 PREEMPTIONS = "vllm:num_preemptions_total"
 CACHE_CONFIG = "vllm:cache_config_info"
+PREFIX_QUERIES = "vllm:prefix_cache_queries_total"
+PREFIX_HITS = "vllm:prefix_cache_hits_total"
 
 
 @dataclass(frozen=True)
@@ -110,6 +117,8 @@ class MetricsSnapshot:
     num_gpu_blocks: float | None = None
     block_size: float | None = None
     kv_capacity_tokens: float | None = None
+    prefix_cache_queries: float = 0.0  # prompt tokens looked up in the prefix cache
+    prefix_cache_hits: float = 0.0  # of those, found
 
     def delta(self, earlier: "MetricsSnapshot") -> "MetricsSnapshot":
         """Counters accumulated since `earlier`; gauges as of now.
@@ -140,6 +149,8 @@ class MetricsSnapshot:
             num_gpu_blocks=self.num_gpu_blocks,
             block_size=self.block_size,
             kv_capacity_tokens=self.kv_capacity_tokens,
+            prefix_cache_queries=self.prefix_cache_queries - earlier.prefix_cache_queries,
+            prefix_cache_hits=self.prefix_cache_hits - earlier.prefix_cache_hits,
         )
 
 
@@ -189,6 +200,8 @@ def parse_metrics(text: str) -> MetricsSnapshot:
                 GENERATION_TOKENS,
                 PROMPT_TOKENS,
                 PREEMPTIONS,
+                PREFIX_QUERIES,
+                PREFIX_HITS,
             ):
                 totals[sample.name] = totals.get(sample.name, 0.0) + sample.value
     positions = tuple(per_pos.get(i, 0.0) for i in range(max(per_pos) + 1)) if per_pos else ()
@@ -209,6 +222,8 @@ def parse_metrics(text: str) -> MetricsSnapshot:
         block_size=max(cache["block_size"]) if cache["block_size"] else None,
         # what vLLM reports (the hybrid/sliding-window layers make it differ from blocks x block size)
         kv_capacity_tokens=sum(cache["kv_cache_size_tokens"]) if cache["kv_cache_size_tokens"] else None,
+        prefix_cache_queries=totals.get(PREFIX_QUERIES, 0.0),
+        prefix_cache_hits=totals.get(PREFIX_HITS, 0.0),
     )
 
 
@@ -234,6 +249,16 @@ class KvCacheStats:
     capacity_tokens: float | None = None
     num_gpu_blocks: float | None = None
     block_size: float | None = None
+    # prompt tokens the arm looked up in / found in its prefix cache over the phase (None: a replica
+    # restarted in between or was never scraped); hit rate = hits / queries
+    prefix_cache_queries: float | None = None
+    prefix_cache_hits: float | None = None
+
+    @property
+    def prefix_cache_hit_rate(self) -> float | None:
+        if self.prefix_cache_queries is None or self.prefix_cache_hits is None or self.prefix_cache_queries <= 0:
+            return None
+        return self.prefix_cache_hits / self.prefix_cache_queries
 
     def to_dict(self) -> dict:
         return {
@@ -244,6 +269,9 @@ class KvCacheStats:
             "capacity_tokens": self.capacity_tokens,
             "num_gpu_blocks": self.num_gpu_blocks,
             "block_size": self.block_size,
+            "prefix_cache_queries": self.prefix_cache_queries,
+            "prefix_cache_hits": self.prefix_cache_hits,
+            "prefix_cache_hit_rate": self.prefix_cache_hit_rate,
         }
 
 
@@ -259,13 +287,18 @@ def kv_stats(samples: Iterable[Mapping[str, MetricsSnapshot]], replicas: Iterabl
         for name in present:
             seen[name].append(sample[name])
     usage = [s.kv_cache_usage for snaps in seen.values() for s in snaps if s.kv_cache_usage is not None]
-    preemptions: float | None = 0.0
-    for snaps in seen.values():
-        rise = snaps[-1].preemptions - snaps[0].preemptions if snaps else -1.0
-        if rise < 0:  # never scraped, or the counter went down: the server restarted
-            preemptions = None
-            break
-        preemptions += rise
+    def risen(attr: str) -> float | None:
+        """A counter's rise over the phase, summed over the arm's replicas; None when one was never
+        scraped or its counter went down (the server restarted): unknown, not a partial sum."""
+        total = 0.0
+        for snaps in seen.values():
+            rise = getattr(snaps[-1], attr) - getattr(snaps[0], attr) if snaps else -1.0
+            if rise < 0:
+                return None
+            total += rise
+        return total
+
+    preemptions = risen("preemptions")
     def smallest(attr: str) -> float | None:
         values = [getattr(s, attr) for snaps in seen.values() for s in snaps[:1] if getattr(s, attr) is not None]
         return min(values) if values else None
@@ -277,6 +310,8 @@ def kv_stats(samples: Iterable[Mapping[str, MetricsSnapshot]], replicas: Iterabl
         capacity_tokens=smallest("kv_capacity_tokens"),
         num_gpu_blocks=smallest("num_gpu_blocks"),
         block_size=smallest("block_size"),
+        prefix_cache_queries=risen("prefix_cache_queries"),
+        prefix_cache_hits=risen("prefix_cache_hits"),
     )
 
 

@@ -77,14 +77,19 @@ def _kv_cache(doc: dict[str, Any]) -> list[str]:
     if not kv:
         return []
     lines = ["", "KV cache during the experiment (from each replica's /metrics):", "",
-             "| arm | usage peak | usage mean | preemptions | capacity per replica (tokens) | GPU blocks x block size | samples |",
-             "|---|---|---|---|---|---|---|"]
+             "| arm | usage peak | usage mean | preemptions | capacity per replica (tokens) | GPU blocks x block size | "
+             "prefix-cache hit rate (tokens) | samples |",
+             "|---|---|---|---|---|---|---|---|"]
     for arm, k in kv.items():
         blocks = f"{k['num_gpu_blocks']:g} x {k['block_size']:g}" if k["num_gpu_blocks"] and k["block_size"] else "n/a"
         preempted = "n/a" if k["preemptions"] is None else f"{k['preemptions']:g}"
         capacity = "n/a" if k["capacity_tokens"] is None else f"{k['capacity_tokens']:g}"
+        # a decision.json written before the prefix-cache counters has none: n/a
+        hits = k.get("prefix_cache_hit_rate")
+        queried = k.get("prefix_cache_queries")
+        hit_rate = "n/a" if hits is None else f"{_pct(hits)} of {queried:g}"
         lines.append(f"| {arm} | {_pct(k['usage_peak'])} | {_pct(k['usage_mean'])} | {preempted} | {capacity} | "
-                     f"{blocks} | {k['samples']} |")
+                     f"{blocks} | {hit_rate} | {k['samples']} |")
     return lines
 
 

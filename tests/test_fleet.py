@@ -31,6 +31,7 @@ import yaml
 
 from cluster.engine_spec import CpuLimits, EngineSpec
 from cluster.fleet import ArmSpec, Fleet, FleetStartError
+from cluster.metrics import kv_stats
 from cluster.arms import BASELINE, CANARY
 from cluster.router import Router, RouterClient
 from rollout.config import ProgressiveConfig, RolloutStep, parse_config
@@ -319,6 +320,23 @@ def test_vllm_unanswered_pause_rolls_back(tmp_path, router, fleet):
     assert h.weight_log[-1][1] == 0.0 and ray.get(router[0].get_state.remote())["weights"]["canary"] == 0.0
     h.check_records()
     assert wait_gone(lambda: locust_processes(str(tmp_path))) == []
+
+
+def test_vllm_shared_prefix_groups_hit_both_arms_prefix_caches(tmp_path, router, fleet):
+    # 2 prefixes of 300 words (~450 tokens of the tiny tokenizer, 3 of vLLM CPU's 128-token blocks)
+    # before 8-word suffixes: after each group's first request, most of a prompt is a cache hit
+    h = vllm_harness(tmp_path, router, fleet, "vllm-shared-prefix")
+    traffic = {**VLLM_TRAFFIC, "dataset": "shared_prefix", "prefix_groups": 2, "prefix_tokens": 300, "input_tokens": "8"}
+    before = fleet.metrics()
+    outcome = run_progressive(h.context(vllm_config([{"canary_weight": 50, "bake_s": 15}]), "tiny", speculative=True,
+                                        traffic=traffic, n_workers=0))
+    after = fleet.metrics()
+    assert outcome.decision == Decision.PROMOTE, outcome.reason
+    for arm in (BASELINE, CANARY):
+        stats = kv_stats([before, after], [r.name for r in fleet.replicas if r.arm == arm])
+        assert stats.prefix_cache_queries > 2000, (arm, stats)  # several ~450-token prompts each
+        assert stats.prefix_cache_hit_rate > 0.5, (arm, stats)
+    h.check_records()
 
 
 def test_vllm_canary_killed_mid_step_is_aborted_within_one_window(tmp_path, router, fleet):

@@ -87,6 +87,34 @@ def test_report_md_shows_each_arms_kv_cache_and_nothing_without_it():
     doc = {"arms": {"baseline": {"kv": stats.to_dict()}, "canary": {"kv": KvCacheStats().to_dict()}}}
     lines = _kv_cache(doc)
     row = next(l for l in lines if l.startswith("| baseline |"))
-    assert "| 0.1% | 0.1% | 4 | 239674 | 8192 x 128 | 2 |" in row
-    assert next(l for l in lines if l.startswith("| canary |")) == "| canary | n/a | n/a | n/a | n/a | n/a | 0 |"
+    assert "| 0.1% | 0.1% | 4 | 239674 | 8192 x 128 | n/a | 2 |" in row  # no prompt token queried between the pages
+    assert next(l for l in lines if l.startswith("| canary |")) == "| canary | n/a | n/a | n/a | n/a | n/a | n/a | 0 |"
     assert _kv_cache({"arms": {"baseline": {"replicas": 1}}}) == []
+
+
+def with_prefix_cache(text: str, queries: float, hits: float) -> str:
+    """The page as the server would show it after `queries` prompt tokens looked up, `hits` found."""
+    for name, value in (("vllm:prefix_cache_queries_total{", queries), ("vllm:prefix_cache_hits_total{", hits)):
+        line = next(l for l in text.splitlines() if l.startswith(name))
+        text = text.replace(line, line.rsplit(" ", 1)[0] + f" {value}")
+    return text
+
+
+def test_the_prefix_cache_hit_rate_of_an_arm_is_its_hits_over_its_queries_in_the_phase():
+    # the real page's counters (queries 12, hits 0), then the phase's rises on two replicas
+    assert (parse_metrics(IDLE).prefix_cache_queries, parse_metrics(IDLE).prefix_cache_hits) == (12.0, 0.0)
+    samples = [{"c-0": parse_metrics(with_prefix_cache(IDLE, 100, 10)), "c-1": parse_metrics(with_prefix_cache(IDLE, 0, 0))},
+               {"c-0": parse_metrics(with_prefix_cache(IDLE, 1100, 810)), "c-1": parse_metrics(with_prefix_cache(IDLE, 1000, 200))}]
+    stats = kv_stats(samples, ["c-0", "c-1"])
+    assert (stats.prefix_cache_queries, stats.prefix_cache_hits) == (2000, 1000)  # 1000 + 1000, 800 + 200
+    assert stats.prefix_cache_hit_rate == 0.5  # not the mean of the replicas' rates (0.8, 0.2)
+    row = next(l for l in _kv_cache({"arms": {"canary": {"kv": stats.to_dict()}}}) if l.startswith("| canary |"))
+    assert "| 50.0% of 2000 |" in row
+    # a restart (the counter went down) or nothing queried: unknown, never a rate of 0
+    restarted = [{"r": parse_metrics(with_prefix_cache(IDLE, 500, 400))}, {"r": parse_metrics(with_prefix_cache(IDLE, 50, 0))}]
+    assert kv_stats(restarted, ["r"]).prefix_cache_hit_rate is None
+    still = [{"r": parse_metrics(IDLE)}, {"r": parse_metrics(IDLE)}]
+    assert kv_stats(still, ["r"]).prefix_cache_queries == 0 and kv_stats(still, ["r"]).prefix_cache_hit_rate is None
+    # an old decision.json without the counters still renders
+    old = {k: v for k, v in stats.to_dict().items() if not k.startswith("prefix_cache")}
+    assert "| n/a |" in next(l for l in _kv_cache({"arms": {"canary": {"kv": old}}}) if l.startswith("| canary |"))
