@@ -12,7 +12,10 @@ times the true ratio):
 
 * TPOT = 30 ms x lognormal(0, 0.25), TTFT = 250 ms x lognormal(0, 0.3), E2E = TTFT + 150 TPOT;
 * ``level``: a latency level per arm per look, N(0, sd), shared by that look's requests
-  (load on that arm's replica during that look);
+  (load on that arm's replica during that look); drawn independently per arm, or
+  ``level_link`` +1: one level per look for both arms (a disturbance of the whole
+  machine, e.g. another tenant), -1: the canary's level is minus the baseline's (two
+  replicas fighting for the same cores: one is slow while the other is fast);
 * ``drift``: a random walk within each look per arm, reset at each look, sd at the
   look's end as given;
 * ``stalls``: runs of 10 consecutive requests, each run stalled with probability 0.1,
@@ -72,6 +75,7 @@ class Scenario:
     tpot_ratio: float = TPOT_THRESHOLD
     ttft_ratio: float = 1.0
     level_sd: float = 0.0
+    level_link: int = 0  # 0: the arms' levels are independent; +1: one level for both; -1: opposite levels
     drift_sd: float = 0.0
     stalls: bool = False
     tick: bool = False
@@ -86,6 +90,9 @@ SCENARIOS: tuple[Scenario, ...] = (
     Scenario("iid"),
     Scenario("level_0.05", level_sd=0.05),
     Scenario("level_0.10", level_sd=0.10),
+    # the looks are the same time windows for both arms: a level in one arm is rarely independent of the other's
+    Scenario("level_0.10_shared", level_sd=0.10, level_link=1),
+    Scenario("level_0.10_opposed", level_sd=0.10, level_link=-1),
     Scenario("drift_0.10", drift_sd=0.10),
     Scenario("stall_runs_10", stalls=True),
     Scenario("tick_1ms", tick=True),
@@ -93,6 +100,7 @@ SCENARIOS: tuple[Scenario, ...] = (
     Scenario("heavy_lognormal_sd1", tpot_tail="heavy_lognormal"),
     Scenario("heavy_pareto_1.5", tpot_tail="pareto"),
     Scenario("ttft_guard_stall_runs", gate="ttft_p95_guard", tpot_ratio=0.7, ttft_ratio=TTFT_LIMIT, stalls=True),
+    Scenario("ttft_guard_level_0.10_opposed", gate="ttft_p95_guard", tpot_ratio=0.7, ttft_ratio=TTFT_LIMIT, level_sd=0.10, level_link=-1),
     Scenario("ttft_guard_timeouts_1pct", gate="ttft_p95_guard", tpot_ratio=0.7, ttft_ratio=TTFT_LIMIT, canary_timeouts=0.01),
     Scenario("power_0.7_iid", tpot_ratio=0.7, kind="power"),
     Scenario("power_0.7_level_0.05", tpot_ratio=0.7, level_sd=0.05, kind="power"),
@@ -101,14 +109,22 @@ SCENARIOS: tuple[Scenario, ...] = (
     # PROMOTE needs every gate: how often the TTFT p95 guard clears 1.25 when nothing changed
     Scenario("ttft_guard_power_1.0_iid", gate="ttft_p95_guard", tpot_ratio=0.7, kind="power"),
     Scenario("ttft_guard_power_1.0_level_0.05", gate="ttft_p95_guard", tpot_ratio=0.7, level_sd=0.05, kind="power"),
+    Scenario("ttft_guard_power_1.0_level_0.10", gate="ttft_p95_guard", tpot_ratio=0.7, level_sd=0.10, kind="power"),
+    Scenario("ttft_guard_power_1.0_level_0.10_shared", gate="ttft_p95_guard", tpot_ratio=0.7, level_sd=0.10, level_link=1, kind="power"),
 )
 
 
-def _correlated_log_effect(rng: np.random.Generator, scenario: Scenario, per_look: int) -> np.ndarray:
-    """Log-latency offsets shared by requests (level, drift, stall runs), in completion order, one arm."""
+def _correlated_log_effect(
+    rng: np.random.Generator, scenario: Scenario, per_look: int, linked_level: np.ndarray | None = None
+) -> np.ndarray:
+    """Log-latency offsets shared by requests (level, drift, stall runs), in completion order, one arm.
+
+    ``linked_level``: this arm's per-look level when the arms' levels are linked (else drawn here)."""
     n = LOOKS * per_look
     effect = np.zeros(n)
-    if scenario.level_sd:
+    if linked_level is not None:
+        effect += np.repeat(linked_level, per_look)
+    elif scenario.level_sd:
         effect += np.repeat(rng.normal(0.0, scenario.level_sd, LOOKS), per_look)
     if scenario.drift_sd:
         steps = rng.normal(0.0, scenario.drift_sd / math.sqrt(per_look), (LOOKS, per_look))
@@ -127,11 +143,13 @@ def _tpot(rng: np.random.Generator, scenario: Scenario, n: int) -> np.ndarray:
     return 0.03 * rng.lognormal(0.0, sd, n)
 
 
-def simulate_arm(rng: np.random.Generator, scenario: Scenario, canary: bool) -> LatencySamples:
+def simulate_arm(
+    rng: np.random.Generator, scenario: Scenario, canary: bool, linked_level: np.ndarray | None = None
+) -> LatencySamples:
     """One arm's samples over the 5 looks, with the look of every sample and every error."""
     per_look = scenario.canary_per_look if canary else scenario.baseline_per_look
     n = LOOKS * per_look
-    effect = np.exp(_correlated_log_effect(rng, scenario, per_look))
+    effect = np.exp(_correlated_log_effect(rng, scenario, per_look, linked_level))
     tpot = _tpot(rng, scenario, n) * effect * (scenario.tpot_ratio if canary else 1.0)
     ttft = 0.25 * rng.lognormal(0.0, 0.3, n) * effect * (scenario.ttft_ratio if canary else 1.0)
     if scenario.tick:
@@ -161,7 +179,9 @@ def pass_rate(scenario: Scenario, trials: int, seed: int, cfg: GatesConfig | Non
     fractions = information_fractions(scenario)
     passes = 0
     for _ in range(trials):
-        baseline, canary = simulate_arm(rng, scenario, False), simulate_arm(rng, scenario, True)
+        level = rng.normal(0.0, scenario.level_sd, LOOKS) if scenario.level_link else None
+        baseline = simulate_arm(rng, scenario, False, level)
+        canary = simulate_arm(rng, scenario, True, None if level is None else scenario.level_link * level)
         results = judge_latency(baseline, canary, cfg, look=LOOKS, max_looks=LOOKS, information=fractions)
         passes += next(r for r in results if r.name == scenario.gate).verdict.value == "pass"
     rate = passes / trials
