@@ -24,7 +24,14 @@ How a quantile ratio is bounded at each look (``rollout.judge.stats``):
   looks make early verdicts need large effects;
 * ties (a measurement tick) move each bound to the neighbouring distinct
   value; a zero-width band or interval is INCONCLUSIVE, never PASS;
-* the arms are combined by MOVER on the log scale.
+* the arms are combined by MOVER on the log scale;
+* with the looks as blocks the arms are paired by look: a look is one stretch
+  of time for both, so a level it gives both arms cancels in the ratio and one
+  it gives them in opposite directions adds up. The ratio's cluster-robust
+  variance from both arms' block sums, over the sum of the arms' own, scales
+  both design effects (t on looks - 1 df); arms treated as independent held
+  alpha with independent levels only (0.096 with opposed ones,
+  benchmarks/latency_calibration.py).
 """
 
 from __future__ import annotations
@@ -32,7 +39,7 @@ from __future__ import annotations
 import hashlib
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from functools import lru_cache
 
 import numpy as np
@@ -184,6 +191,9 @@ class _ArmLook:
     ``n_blocks`` blocks with samples, ``deff`` the design effect of the
     quantile judged (NaN with fewer than 2 blocks); ``distinct`` the distinct
     finite values (every band of the arm needs them for its tie rule).
+    ``look_ids`` / ``look_sums``: when the blocks are looks (the same time
+    windows in both arms), each look with samples and its `stats.quantile_block_sums`,
+    for pairing the arms by look; None when the blocks are runs of requests.
     """
 
     sorted_values: np.ndarray
@@ -192,22 +202,68 @@ class _ArmLook:
     n_blocks: int
     deff: float
     distinct: np.ndarray | None = None
+    look_ids: np.ndarray | None = None
+    look_sums: np.ndarray | None = None
 
     def band(self, q: float, level: float, df: float | None = None) -> stats.QuantileBand:
         return stats.quantile_band(self.sorted_values, q, level, self.deff, self.n_blocks, df, self.distinct)
 
-    def block_variance(self, q: float) -> float:
-        """Block-robust variance of the log quantile, up to a constant: design effect x the iid SE squared."""
-        if self.n_ok < 2 or not math.isfinite(self.deff):
+    def iid_variance(self, q: float) -> float:
+        """The iid variance of the log quantile, read off an order-statistic band (inf where it touches +inf)."""
+        if self.n_ok < 2:
             return math.inf
         with np.errstate(invalid="ignore"):  # +inf (failed requests) in the band: an infinite SE, handled below
             _, se = stats.log_quantile_with_se(self.sorted_values, q)
-        return self.deff * float(se) ** 2 if math.isfinite(float(se)) else math.inf
+        return float(se) ** 2 if math.isfinite(float(se)) else math.inf
+
+    def block_variance(self, q: float) -> float:
+        """Block-robust variance of the log quantile, up to a constant: design effect x the iid SE squared."""
+        if not math.isfinite(self.deff):
+            return math.inf
+        iid = self.iid_variance(q)
+        return self.deff * iid if math.isfinite(iid) else math.inf
 
 
-def _pair_df(bl: _ArmLook, cl: _ArmLook, q: float) -> float:
-    """Degrees of freedom of the ratio's block-robust variance: Welch-Satterthwaite over the arms' G - 1."""
-    return stats.welch_df(bl.block_variance(q), bl.n_blocks - 1, cl.block_variance(q), cl.n_blocks - 1)
+@dataclass(frozen=True)
+class _ArmPair:
+    """Both arms of one look as their ratio's bounds use them: design effects scaled by the pairing, and the df.
+
+    ``pairing``: the ratio's block-robust variance with the arms' blocks paired by
+    look over the sum of the arms' own (`stats.paired_block_variance_factor`); each
+    arm's design effect is multiplied by it, so the MOVER combination of the arms'
+    bands carries the paired variance; NaN where the arms are not paired (blocks
+    are runs of requests, or an SE is infinite): then the arms count as independent.
+    """
+
+    baseline: _ArmLook
+    canary: _ArmLook
+    df: float
+    pairing: float
+
+
+def _pair_arms(bl: _ArmLook, cl: _ArmLook, q: float) -> _ArmPair:
+    """The arms paired by look where their blocks are looks (t on looks - 1 df), else independent (Welch df).
+
+    A look is one stretch of time for both arms: a level it gives both (a
+    disturbance of the machine) cancels in the ratio, one it gives them in
+    opposite directions (replicas fighting for the same cores) adds up; the arms'
+    own design effects see neither.
+    """
+    vb, vc = bl.block_variance(q), cl.block_variance(q)
+    welch = stats.welch_df(vb, bl.n_blocks - 1, cl.block_variance(q), cl.n_blocks - 1)
+    ib, ic = bl.iid_variance(q), cl.iid_variance(q)
+    if bl.look_ids is None or cl.look_ids is None or bl.look_sums is None or cl.look_sums is None:
+        return _ArmPair(bl, cl, welch, math.nan)
+    if not all(map(math.isfinite, (vb, vc, ib, ic))):
+        return _ArmPair(bl, cl, welch, math.nan)
+    pairing = stats.paired_block_variance_factor(
+        bl.look_ids, bl.look_sums, math.sqrt(ib / (bl.sorted_values.size * q * (1.0 - q))),
+        cl.look_ids, cl.look_sums, math.sqrt(ic / (cl.sorted_values.size * q * (1.0 - q))),
+    )
+    if not math.isfinite(pairing):
+        return _ArmPair(bl, cl, welch, math.nan)
+    looks = int(np.union1d(bl.look_ids, cl.look_ids).size)
+    return _ArmPair(replace(bl, deff=bl.deff * pairing), replace(cl, deff=cl.deff * pairing), float(looks - 1), pairing)
 
 
 @dataclass(frozen=True)
@@ -253,11 +309,14 @@ class _ArmSeries:
         sorted_values = values[order]
         block_index, n_blocks = stats.dense_block_index(blocks)
         groups = stats.tie_groups(sorted_values)
-        deff = stats.design_effect_sorted(sorted_values, order, block_index, n_blocks, q, groups) if n_blocks >= 2 else float("nan")
+        sums = stats.quantile_block_sums(sorted_values, order, block_index, n_blocks, q, groups)
+        deff = stats.design_effect_of_block_sums(sums, sorted_values.size, q) if n_blocks >= 2 else float("nan")
         n_errors = int(errors.sum())
         distinct = sorted_values[groups[0]]
         distinct = distinct[np.isfinite(distinct)]
-        return _ArmLook(sorted_values, int(values.size) - n_errors, n_errors, n_blocks, deff, distinct)
+        look_ids = np.unique(blocks) if self.looks is not None else None
+        look_sums = sums if self.looks is not None else None
+        return _ArmLook(sorted_values, int(values.size) - n_errors, n_errors, n_blocks, deff, distinct, look_ids, look_sums)
 
 
 def _arm_series(samples: LatencySamples, field: str) -> _ArmSeries:
@@ -364,6 +423,7 @@ class _QuantileRatioBounds:
     blocks: tuple[int, int] = (0, 0)
     block_kind: str = "looks"
     tie_widened: bool = False
+    pairing: float = math.nan
 
 
 @dataclass(frozen=True)
@@ -395,9 +455,10 @@ class _HolmStep:
 
 
 def _why_no_bounds(
-    bl: _ArmLook, cl: _ArmLook, q: float, level: float, cfg: GatesConfig, label: str
+    pair: _ArmPair, q: float, level: float, cfg: GatesConfig, label: str
 ) -> tuple[str, stats.QuantileBand | None, stats.QuantileBand | None]:
     """Why a look gives no pass-side bounds ("" when it does), with the arms' bands at the pass level."""
+    bl, cl, df = pair.baseline, pair.canary, pair.df
     if min(bl.n_ok, cl.n_ok) < cfg.min_requests_per_arm:
         return f"Too few {label} samples ({bl.n_ok}/{cl.n_ok} < {cfg.min_requests_per_arm} per arm).", None, None
     if min(bl.n_blocks, cl.n_blocks) < 2:
@@ -405,7 +466,6 @@ def _why_no_bounds(
             f"Needs samples from at least 2 blocks per arm (has {bl.n_blocks}/{cl.n_blocks}): a latency level "
             "shared by one block's requests cannot be told from the arms' difference inside it."
         ), None, None
-    df = _pair_df(bl, cl, q)
     bb, cb = bl.band(q, level, df), cl.band(q, level, df)
     n_needed = stats.samples_needed(q, level)
     if min(bb.n, cb.n) < n_needed:
@@ -416,7 +476,8 @@ def _why_no_bounds(
     if not (bb.in_sample and cb.in_sample):
         return (
             f"The block-robust rank band (t on {df:.1f} df at level {level:.3g}, design effect "
-            f"{bl.deff:.2f}/{cl.deff:.2f}) reaches past the sample: more samples or looks needed."
+            f"{bl.deff:.2f}/{cl.deff:.2f}{_pairing_text(pair.pairing, ' ')}) reaches past the sample: more samples or "
+            "looks needed."
         ), None, None
     if bb.among_failures or cb.among_failures:
         return (
@@ -473,10 +534,11 @@ def _one_look_bounds(
     bl: _ArmLook, cl: _ArmLook, q: float, pass_level: float, fail_levels: tuple[float, ...], cfg: GatesConfig, label: str
 ) -> _OneLook:
     """The look's pass-side upper bound and fail-side lower bounds (one per level), or why it has none."""
-    why_not, bb, cb = _why_no_bounds(bl, cl, q, pass_level, cfg, label)
+    pair = _pair_arms(bl, cl, q)
+    why_not, bb, cb = _why_no_bounds(pair, q, pass_level, cfg, label)
     if bb is None or cb is None:
         return _OneLook(False, math.inf, (), why_not)
-    df = _pair_df(bl, cl, q)
+    bl, cl, df = pair.baseline, pair.canary, pair.df
     _, low_at_pass, up = stats.mover_log_ratio_bounds(bb, cb)
     if not low_at_pass < up:
         return _OneLook(False, math.inf, (), "Zero-width interval (all the band's samples tied): never a pass.")
@@ -499,7 +561,9 @@ def _look_key(
     fail_levels: tuple[float, ...], cfg: GatesConfig, label: str,
 ) -> tuple:
     # everything `_one_look_bounds` reads: the arms' samples and blocks up to the look, q, levels, the sample floor
-    return (b_series.digest(look), c_series.digest(look), q, pass_level, fail_levels, cfg.min_requests_per_arm, label)
+    # (and whether the blocks are looks: only then are the arms paired by look)
+    paired = b_series.looks is not None and c_series.looks is not None
+    return (b_series.digest(look), c_series.digest(look), paired, q, pass_level, fail_levels, cfg.min_requests_per_arm, label)
 
 
 def _remember(key: tuple, one: _OneLook) -> None:
@@ -592,6 +656,7 @@ def _quantile_ratio_bounds(
         why_not=why_not,
         errors=(b_now.n_errors, c_now.n_errors),
         deff=(b_now.deff, c_now.deff),
+        pairing=_pair_arms(b_now, c_now, q).pairing if min(b_now.n_blocks, c_now.n_blocks) >= 2 else math.nan,
         blocks=(b_now.n_blocks, c_now.n_blocks),
         block_kind=b_series.block_kind,
         tie_widened=tie_widened,
@@ -637,11 +702,19 @@ def _deff_text(value: float) -> str:
     return f"{value:.2f}" if math.isfinite(value) else "n/a"
 
 
+def _pairing_text(pairing: float, lead: str = "; ") -> str:
+    """How pairing the arms by look scaled the ratio's variance ("" when they are not paired)."""
+    if not math.isfinite(pairing):
+        return ""
+    return f"{lead}paired by look: x{pairing:.2f} the arms' own variances, t on looks - 1 df"
+
+
 def _blocks_text(bounds: _QuantileRatioBounds) -> str:
     """The detail's sentence on blocks, design effects, errors and ties (the numbers a reader checks)."""
     text = (
         f"Blocks: {bounds.block_kind}; design effect (block/iid variance) baseline {_deff_text(bounds.deff[0])}, "
-        f"canary {_deff_text(bounds.deff[1])} over {bounds.blocks[0]}/{bounds.blocks[1]} blocks; "
+        f"canary {_deff_text(bounds.deff[1])} over {bounds.blocks[0]}/{bounds.blocks[1]} blocks"
+        f"{_pairing_text(bounds.pairing)}; "
         f"failed requests as +inf: baseline {bounds.errors[0]}, canary {bounds.errors[1]}."
     )
     if bounds.tie_widened:

@@ -18,6 +18,10 @@ Latency, per arm and request (seconds)
     arm_level_SD   a random log-level N(0, SD) per block of ``requests_per_look``
                    consecutive requests of the arm (a per-look level: a replica's
                    state, a noisy neighbour), added to log TPOT and log TTFT;
+    shared_level_SD    one such level per block for both arms (their blocks are the same
+                   stretch of time: a disturbance of the whole machine);
+    opposed_level_SD   the canary's level is minus the baseline's (two replicas fighting
+                   for the same cores: one slow while the other is fast);
     within_look_drift  inside each such block the log level moves linearly from
                    -d/2 to +d/2, d ~ N(0, 0.10);
     stall_runs     a stall starts at a request with probability 0.02 and covers it
@@ -90,6 +94,8 @@ LATENCY_SCENARIOS = (
     "iid",
     "arm_level_0.05",
     "arm_level_0.10",
+    "shared_level_0.10",
+    "opposed_level_0.10",
     "within_look_drift",
     "stall_runs",
     "ties_1ms",
@@ -166,11 +172,20 @@ def _arm_level(scenario: str) -> float:
     return float(scenario.removeprefix("arm_level_")) if scenario.startswith("arm_level_") else 0.0
 
 
+def _linked_level(scenario: str) -> tuple[float, int]:
+    """(sd, the canary's sign) of a per-block level linked between the arms; sd 0 when they are not linked."""
+    for prefix, sign in (("shared_level_", 1), ("opposed_level_", -1)):
+        if scenario.startswith(prefix):
+            return float(scenario.removeprefix(prefix)), sign
+    return 0.0, 1
+
+
 def _arm_latencies(
     rng: np.random.Generator, n: int, world: LatencyWorld, spec: TrialSpec, shape: StreamShape, canary: bool,
-    twin: bool = False,
+    twin: bool = False, linked_level: np.ndarray | None = None,
 ) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-    """(ttft_s, tpot_s, ok) of one arm's n requests in send order (``twin``: the twin baseline's)."""
+    """(ttft_s, tpot_s, ok) of one arm's n requests in send order (``twin``: the twin baseline's;
+    ``linked_level``: this arm's level per block when the arms' levels are linked)."""
     scenario = spec.scenario
     tpot_sigma = world.ties_tpot_sigma if scenario == "ties_1ms" else world.tpot_sigma
     ttft_sigma = world.ttft_sigma
@@ -182,6 +197,8 @@ def _arm_latencies(
     if (level_sd := _arm_level(scenario)) > 0:
         level = rng.normal(0.0, level_sd, block[-1] + 1)[block]
         log_tpot, log_ttft = log_tpot + level, log_ttft + level
+    if linked_level is not None:
+        log_tpot, log_ttft = log_tpot + linked_level[block], log_ttft + linked_level[block]
     if scenario == "within_look_drift":
         span = rng.normal(0.0, world.drift_sd, block[-1] + 1)[block]
         position = (np.arange(n) % shape.requests_per_look) / max(shape.requests_per_look - 1, 1) - 0.5
@@ -259,8 +276,14 @@ def simulate_records(
     arms = (BASELINE, CANARY, TWIN_ARM) if spec.twin_tpot_ratio is not None else (BASELINE, CANARY)
     users = len(arms) * shape.users_per_arm
     budget = shape.requests_per_arm + users + 2 if alternate else int(2.5 * shape.requests_per_arm) + 2 * users
+    linked_sd, canary_sign = _linked_level(spec.scenario)
+    # drawn only where linked, so every other scenario's draws stay as they were
+    linked = rng.normal(0.0, linked_sd, (budget - 1) // shape.requests_per_look + 1) if linked_sd > 0 else None
     latencies = {
-        arm: _arm_latencies(rng, budget, world, spec, shape, canary=(arm == CANARY), twin=(arm == TWIN_ARM))
+        arm: _arm_latencies(
+            rng, budget, world, spec, shape, canary=(arm == CANARY), twin=(arm == TWIN_ARM),
+            linked_level=None if linked is None else (canary_sign if arm == CANARY else 1) * linked,
+        )
         for arm in arms
     }
     tokens = shape.output_tokens

@@ -121,6 +121,9 @@ __all__ = [
     "samples_needed",
     "design_effect",
     "design_effect_sorted",
+    "quantile_block_sums",
+    "design_effect_of_block_sums",
+    "paired_block_variance_factor",
     "dense_block_index",
     "tie_groups",
     "welch_df",
@@ -522,14 +525,63 @@ def design_effect_sorted(
     """`design_effect` of values already sorted: ``sorted_values = values[order]`` (a stable argsort),
     ``block_index`` the dense block index of each value in the original order, ``n_blocks`` >= 2,
     ``groups`` its `tie_groups` when the caller has them."""
+    block_sums = quantile_block_sums(sorted_values, order, block_index, n_blocks, q, groups)
+    return design_effect_of_block_sums(block_sums, sorted_values.size, q)
+
+
+def design_effect_of_block_sums(block_sums: np.ndarray, n: int, q: float) -> float:
+    """`design_effect` from the blocks' `quantile_block_sums` (at least 2 blocks) of n samples."""
+    g = block_sums.size
+    return g / (g - 1) * float(np.sum(block_sums**2)) / (n * q * (1.0 - q))
+
+
+def quantile_block_sums(
+    sorted_values: np.ndarray,
+    order: np.ndarray,
+    block_index: np.ndarray,
+    n_blocks: int,
+    q: float,
+    groups: tuple[np.ndarray, np.ndarray] | None = None,
+) -> np.ndarray:
+    """Per block, the sum of 1{y <= Q} - q over its samples (arguments as `design_effect_sorted`).
+
+    The q-quantile's estimation error is -(these sums' total) / (n density): the
+    quantile's influence per block, which `design_effect_sorted` squares and two arms'
+    paired blocks difference (`paired_block_variance_factor`).
+    """
     n = sorted_values.size
     first, counts = groups if groups is not None else tie_groups(sorted_values)
     below_share = np.clip((n * q - first) / counts, 0.0, 1.0)
     indicator = np.empty(n)
     indicator[order] = np.repeat(below_share, counts)
-    block_sums = np.bincount(block_index, weights=indicator - q, minlength=n_blocks)
-    variance_blocks = n_blocks / (n_blocks - 1) * float(np.sum(block_sums**2))
-    return variance_blocks / (n * q * (1.0 - q))
+    return np.bincount(block_index, weights=indicator - q, minlength=n_blocks)
+
+
+def paired_block_variance_factor(
+    ids_a: np.ndarray, sums_a: np.ndarray, scale_a: float, ids_b: np.ndarray, sums_b: np.ndarray, scale_b: float
+) -> float:
+    """Block-robust variance of log Q_b - log Q_a over the sum of the arms' own: 1 when the arms' blocks are
+    independent, < 1 when a block's level is shared by both arms, > 1 when it is opposed between them.
+
+    ``ids_*``: the blocks (looks: the same time windows for both arms) with samples;
+    ``sums_*``: `quantile_block_sums` per block; ``scale_*``: 1 / (n density of the log)
+    of that arm's quantile, so scale x sum is the block's share of the log quantile's
+    error. A block one arm lacks counts 0 for it. Cluster-robust with G / (G - 1) over
+    the union of blocks, each arm's own over its blocks. NaN without 2 blocks or
+    without variance.
+    """
+    ids = np.union1d(ids_a, ids_b)
+    g = ids.size
+    if g < 2 or ids_a.size < 2 or ids_b.size < 2:
+        return float("nan")
+    a = np.zeros(g)
+    b = np.zeros(g)
+    a[np.searchsorted(ids, ids_a)] = scale_a * sums_a
+    b[np.searchsorted(ids, ids_b)] = scale_b * sums_b
+    own = ids_a.size / (ids_a.size - 1) * float(np.sum(a**2)) + ids_b.size / (ids_b.size - 1) * float(np.sum(b**2))
+    if not (math.isfinite(own) and own > 0.0):
+        return float("nan")
+    return g / (g - 1) * float(np.sum((a - b) ** 2)) / own
 
 
 @dataclass(frozen=True)
