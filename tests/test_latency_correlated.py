@@ -11,6 +11,11 @@ each above the bound (0.075), so each of those tests fails without the change. T
 other rows (iid, 1 ms ticks at 200 per arm, unequal arms, heavy tails) it passed too;
 they guard the new bands against being anti-conservative there. Ties at 1,500 per arm,
 where the old judge passed at look 1, are tested in test_latency_gates.py.
+
+A look is one stretch of time for both arms. The judge that took the arms' block
+variances as independent passed the objective at its threshold in 0.096 of 2,000 runs
+with per-look levels opposed between the arms (replicas fighting for the same cores)
+and in 0.003 with levels shared by them; the arms paired by look hold both.
 """
 
 from __future__ import annotations
@@ -38,6 +43,8 @@ def _bound(trials: int) -> float:
         "iid",
         "level_0.05",
         "level_0.10",
+        "level_0.10_shared",
+        "level_0.10_opposed",
         "drift_0.10",
         "stall_runs_10",
         "tick_1ms",
@@ -54,7 +61,7 @@ def test_the_objective_at_its_threshold_passes_at_most_alpha(name):
     assert rate <= _bound(ERROR_TRIALS), f"{name}: false promote {rate:.3f}"
 
 
-@pytest.mark.parametrize("name", ["ttft_guard_stall_runs", "ttft_guard_timeouts_1pct"])
+@pytest.mark.parametrize("name", ["ttft_guard_stall_runs", "ttft_guard_timeouts_1pct", "ttft_guard_level_0.10_opposed"])
 def test_the_ttft_guard_at_its_limit_passes_at_most_alpha(name):
     """Rule: a canary at exactly 1.25 x TTFT p95 passes its guard with probability <= alpha, with stalls in runs of 10
     (the design effect of a p95) and when it times out its slowest 1% (errors are +inf ranks, not dropped)."""
@@ -83,3 +90,11 @@ def test_the_benchmark_prints_its_table_and_json(capsys):
     assert [row["scenario"] for row in result["rows"]] == ["iid", "tick_1ms"] and result["trials"] == 4
     assert main(["--trials", "4", "--only", "power_0.7_iid"]) == 0
     assert "power_0.7_iid" in capsys.readouterr().out
+
+
+def test_a_level_shared_by_both_arms_cancels_in_the_ratio():
+    """Rule: a per-look level both arms share (a disturbance of the whole machine) is no evidence against the
+    canary: with TTFT unchanged, the TTFT p95 guard clears its limit about as often as with no level at all.
+    Arms taken as independent cleared it in 0.26 of 2,000 runs (0.58 without the level), the paired ones in 0.51."""
+    shared, _ = pass_rate(BY_NAME["ttft_guard_power_1.0_level_0.10_shared"], POWER_TRIALS, seed=14)
+    assert shared >= 0.38, f"TTFT guard power with a shared level {shared:.3f}"

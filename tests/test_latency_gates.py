@@ -358,3 +358,30 @@ def test_latency_samples_from_records_is_the_controllers_rule_plus_the_looks_of_
         assert ours.error_window.tolist() == failed and ours.n_errors == len(failed)
     canary = latency_samples_from_records(records, looks_of, "canary")
     assert canary.n_errors > 0 and 1 in canary.error_window.tolist()
+
+
+def test_a_level_both_arms_share_narrows_the_ratio_and_an_opposed_one_widens_it():
+    """Rule: with the looks as blocks the arms are paired by look and the detail says by how much: the same
+    per-look level in both arms (a disturbance of the machine) cancels in the ratio, opposite levels (replicas
+    fighting for the same cores) add up; without look ids (blocks are runs of requests) nothing is paired."""
+    rng = np.random.default_rng(8)
+    window = np.repeat(np.arange(1, 7), 60)
+    level = np.repeat(rng.normal(0.0, 0.2, 6), 60)
+
+    def samples(sign: float, windows: bool = True) -> tuple[LatencySamples, LatencySamples]:
+        tpot_b = 0.03 * np.exp(rng.normal(0, 0.1, 360) + level)
+        tpot_c = 0.024 * np.exp(rng.normal(0, 0.1, 360) + sign * level)
+        ttft = np.full(360, 0.2) * rng.lognormal(0, 0.2, 360)
+        w = window if windows else None
+        return (LatencySamples(ttft, tpot_b, ttft + 15 * tpot_b, 0, 360, w),
+                LatencySamples(ttft.copy(), tpot_c, ttft + 15 * tpot_c, 0, 360, w))
+
+    def objective(pair) -> GateResult:
+        return by_name(judge_latency(*pair, GatesConfig(), look=6, max_looks=6))["tpot_p50_improvement"]
+
+    shared, opposed, unpaired = objective(samples(1.0)), objective(samples(-1.0)), objective(samples(1.0, windows=False))
+    factor = {name: float(g.detail.split("paired by look: x")[1].split(" ")[0]) for name, g in (("shared", shared), ("opposed", opposed))}
+    assert factor["shared"] < 0.5 < 1.5 < factor["opposed"], factor
+    width = {name: g.interval[1] / g.interval[0] for name, g in (("shared", shared), ("opposed", opposed))}
+    assert width["shared"] < width["opposed"], width
+    assert "paired by look" not in unpaired.detail

@@ -354,3 +354,22 @@ def test_welch_df_lies_between_the_smaller_and_the_sum():
     assert stats.welch_df(1.0, 4, 1.0, 4) == pytest.approx(8.0)
     assert 4 <= stats.welch_df(1.0, 4, 0.2, 9) <= 13
     assert stats.welch_df(math.inf, 4, 1.0, 9) == 4
+
+
+def test_paired_block_variance_factor_is_about_one_for_independent_arms_and_moves_with_a_shared_or_opposed_level():
+    """Rule: the paired-by-look variance of a ratio over the arms' own is ~1 when the arms' block sums are
+    independent, ~0 when every block moves both arms alike (it cancels in the ratio), ~2 when it moves them
+    apart, and counts a block only one arm has as 0 for the other."""
+    rng = np.random.default_rng(5)
+    looks = np.arange(1, 201)
+    a, b = rng.normal(0, 1, 200), rng.normal(0, 1, 200)
+    assert 0.8 < stats.paired_block_variance_factor(looks, a, 1.0, looks, b, 1.0) < 1.2
+    assert stats.paired_block_variance_factor(looks, a, 1.0, looks, a, 1.0) == pytest.approx(0.0)
+    assert stats.paired_block_variance_factor(looks, a, 1.0, looks, -a, 1.0) == pytest.approx(2.0)
+    # scales weigh the arms: the same sums at twice the baseline's scale no longer cancel
+    assert stats.paired_block_variance_factor(looks, a, 2.0, looks, a, 1.0) == pytest.approx(1.0 / 5.0)
+    # disjoint looks: nothing pairs; 4 blocks' 4/3 x 4 over each arm's own 2/1 x 2, twice
+    one, other = (np.array([1, 2]), np.array([3, 4])), np.array([1.0, -1.0])
+    disjoint = stats.paired_block_variance_factor(one[0], other, 1.0, one[1], other, 1.0)
+    assert disjoint == pytest.approx(2.0 / 3.0)
+    assert math.isnan(stats.paired_block_variance_factor(np.array([1]), np.array([1.0]), 1.0, looks, b, 1.0))
