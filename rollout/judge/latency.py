@@ -250,7 +250,7 @@ def _pair_arms(bl: _ArmLook, cl: _ArmLook, q: float) -> _ArmPair:
     own design effects see neither.
     """
     vb, vc = bl.block_variance(q), cl.block_variance(q)
-    welch = stats.welch_df(vb, bl.n_blocks - 1, cl.block_variance(q), cl.n_blocks - 1)
+    welch = stats.welch_df(vb, bl.n_blocks - 1, vc, cl.n_blocks - 1)
     ib, ic = bl.iid_variance(q), cl.iid_variance(q)
     if bl.look_ids is None or cl.look_ids is None or bl.look_sums is None or cl.look_sums is None:
         return _ArmPair(bl, cl, welch, math.nan)
