@@ -528,6 +528,7 @@ class _OneLook:
     upper: float
     lowers: tuple[float, ...]
     why_not: str
+    pairing: float = math.nan  # `_ArmPair.pairing` of the look
 
 
 def _one_look_bounds(
@@ -537,15 +538,15 @@ def _one_look_bounds(
     pair = _pair_arms(bl, cl, q)
     why_not, bb, cb = _why_no_bounds(pair, q, pass_level, cfg, label)
     if bb is None or cb is None:
-        return _OneLook(False, math.inf, (), why_not)
+        return _OneLook(False, math.inf, (), why_not, pair.pairing)
     bl, cl, df = pair.baseline, pair.canary, pair.df
     _, low_at_pass, up = stats.mover_log_ratio_bounds(bb, cb)
     if not low_at_pass < up:
-        return _OneLook(False, math.inf, (), "Zero-width interval (all the band's samples tied): never a pass.")
+        return _OneLook(False, math.inf, (), "Zero-width interval (all the band's samples tied): never a pass.", pair.pairing)
     lowers = tuple(
         stats.mover_log_ratio_bounds(bl.band(q, level, df), cl.band(q, level, df))[1] for level in fail_levels
     )
-    return _OneLook(True, up, lowers, why_not)
+    return _OneLook(True, up, lowers, why_not, pair.pairing)
 
 
 # An earlier look's own bounds depend only on its samples (fingerprinted), the quantile and
@@ -617,6 +618,7 @@ def _quantile_ratio_bounds(
     lower_own = np.full((len(fail_levels), n_looks), -np.inf)
     why_not = ""
     b_now = c_now = None
+    pairing = math.nan
     for i, lk in enumerate(looks):
         upto = lk if (use_windows and lk < boundary_look) else None
         prefix = None if information is None else tuple(information[:lk])
@@ -625,6 +627,7 @@ def _quantile_ratio_bounds(
         if upto is None:  # the current look: its arms kept for the point values, its bounds remembered for the next
             b_now, c_now = b_series.up_to(None, q), c_series.up_to(None, q)
             one = _one_look_bounds(b_now, c_now, q, pass_level, levels, cfg, label)
+            pairing = one.pairing
             _remember(_look_key(b_series, c_series, None, q, pass_level, levels, cfg, label), one)
         else:
             one = _earlier_look_bounds(b_series, c_series, upto, q, pass_level, levels, cfg, label)
@@ -656,7 +659,7 @@ def _quantile_ratio_bounds(
         why_not=why_not,
         errors=(b_now.n_errors, c_now.n_errors),
         deff=(b_now.deff, c_now.deff),
-        pairing=_pair_arms(b_now, c_now, q).pairing if min(b_now.n_blocks, c_now.n_blocks) >= 2 else math.nan,
+        pairing=pairing,
         blocks=(b_now.n_blocks, c_now.n_blocks),
         block_kind=b_series.block_kind,
         tie_widened=tie_widened,
