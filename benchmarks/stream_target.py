@@ -211,7 +211,8 @@ class StreamTarget:
 
         response = web.StreamResponse(status=200, headers=headers)
         await response.prepare(request)
-        completion_id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
+        # as vLLM does: the client's X-Request-Id, prefixed, is the completion's id
+        completion_id = ("chatcmpl-" if chat else "cmpl-") + (request.headers.get("x-request-id") or uuid.uuid4().hex)
         created = int(time.time())
         kind = "chat.completion.chunk" if chat else "text_completion"
         include_usage = bool((body.get("stream_options") or {}).get("include_usage"))

@@ -52,6 +52,7 @@ ENDPOINT_PATHS: dict[str, str] = {
 
 # How much of an error body a record keeps: enough to read the cause, not a page of HTML.
 ERROR_TEXT_LIMIT = 300
+SERVER_ID_LIMIT = 200  # a server-chosen string kept in every record: bounded
 # the most bytes one socket read takes
 _READ_SIZE = 65536
 # kernel receive stamps: a struct timespec per read in the read's ancillary data. Python
@@ -299,6 +300,8 @@ class RecordLabels:
     dataset_index: int | None = None
     scheduled_at: float | None = None
     level: float | None = None
+    session: int | None = None
+    turn: int | None = None
 
 
 @dataclass(frozen=True)
@@ -312,6 +315,7 @@ class StreamOutcome:
     finish_reason: str | None
     saw_done: bool
     error: str | None
+    server_request_id: str | None = None
 
 
 @dataclass(frozen=True)
@@ -362,7 +366,7 @@ class StreamReader:
     output, times the first, and keeps usage, finish reason and errors."""
 
     __slots__ = ("_started_s", "_endpoint", "_decoder", "_template", "ttft_s", "chunks", "usage", "finish_reason",
-                 "saw_done", "error", "events", "bytes", "last_read_s")
+                 "saw_done", "error", "events", "bytes", "last_read_s", "server_request_id")
 
     def __init__(self, started_s: float, endpoint: Endpoint) -> None:
         self._started_s = started_s
@@ -379,6 +383,9 @@ class StreamReader:
         self.events = 0
         self.bytes = 0
         self.last_read_s: float | None = None
+        # the id the server gave the request (vLLM: "cmpl-" + the X-Request-Id it was sent),
+        # from the first chunk, which is always parsed: the key to join with server traces
+        self.server_request_id: str | None = None
 
     def feed(self, read_s: float, data: bytes, end_s: float | None = None) -> None:
         """One read's bytes: `read_s` when they (the first of them) arrived, `end_s` when
@@ -421,6 +428,8 @@ class StreamReader:
         if not isinstance(payload, dict):
             self.error = self.error or f"unexpected SSE data: {data[:ERROR_TEXT_LIMIT]!r}"
             return
+        if self.server_request_id is None and isinstance(payload.get("id"), str):
+            self.server_request_id = payload["id"][:SERVER_ID_LIMIT]
         if payload.get("error"):
             # vLLM reports failures inside a 200 stream as a data event with an "error" object
             detail = payload["error"]
@@ -469,6 +478,7 @@ class StreamReader:
             finish_reason=self.finish_reason,
             saw_done=self.saw_done,
             error=error,
+            server_request_id=self.server_request_id,
         )
 
 
@@ -613,6 +623,7 @@ class OpenAIStreamClient:
         error = transport_error or outcome.error
         return RequestRecord(
             request_id=labels.request_id,
+            server_request_id=outcome.server_request_id,
             tag=labels.tag,
             worker=labels.worker,
             endpoint=request.endpoint,
@@ -620,6 +631,8 @@ class OpenAIStreamClient:
             replica=replica,
             pinned_arm=request.pinned_arm,
             dataset_index=labels.dataset_index,
+            session=labels.session,
+            turn=labels.turn,
             level=labels.level,
             scheduled_at=labels.scheduled_at,
             sent_at=sent_at,

@@ -27,7 +27,10 @@ class RequestRecord(BaseModel):
 
     model_config = ConfigDict(frozen=True, extra="ignore")
 
-    request_id: str
+    request_id: str = Field(description="the client's id, sent as X-Request-Id")
+    server_request_id: str | None = Field(
+        default=None, description="the id the server's stream carried (vLLM: cmpl-/chatcmpl- + X-Request-Id)"
+    )
     tag: str = Field(description="phase label the runner passes, e.g. 'experiment'")
     worker: str = Field(description="the Locust process that sent it")
     endpoint: Endpoint = "completions"
@@ -35,6 +38,8 @@ class RequestRecord(BaseModel):
     replica: str | None = Field(default=None, description="response header x-mtp-canary-replica")
     pinned_arm: str | None = Field(default=None, description="arm the client asked for, if it pinned one")
     dataset_index: int | None = Field(default=None, description="position in the seeded prompt sequence")
+    session: int | None = Field(default=None, description="multi_turn: the conversation this turn belongs to")
+    turn: int | None = Field(default=None, description="multi_turn: the turn's number in its session (0 first)")
     level: float | None = Field(
         default=None, description="load level of a stepped or ramped profile when the request was due"
     )

@@ -218,6 +218,9 @@ def test_client_timing_matches_the_known_schedule(scheduled_target, endpoint):
     assert all(r.ok for r in records), records[0].error
     record = records[0]
     assert (record.arm, record.replica, record.output_tokens, record.prompt_tokens) == ("baseline", "baseline-0", 33, 3)
+    # the id the server gave each request, as vLLM gives it: its kind's prefix + the X-Request-Id sent
+    prefix = "chatcmpl-" if endpoint == "chat" else "cmpl-"
+    assert [r.server_request_id for r in records] == [f"{prefix}{endpoint}-{i}" for i in range(5)]
     assert record.chunks == 1 + 32 // tokens_per_chunk
     ttft_error_ms = (statistics.median(r.ttft_s for r in records) - TTFT_S) * 1000
     tpot_rel_error = statistics.median(r.tpot_s for r in records) / TPOT_S - 1
