@@ -8,6 +8,7 @@ order, however the load is partitioned.
 
 from __future__ import annotations
 
+import csv
 import json
 import math
 import random
@@ -17,7 +18,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Literal, Protocol
 
-DatasetKind = Literal["synthetic", "gsm8k", "jsonl", "shared_prefix"]
+DatasetKind = Literal["synthetic", "gsm8k", "jsonl", "shared_prefix", "multi_turn", "trace"]
+TraceFormat = Literal["jsonl", "mooncake", "burstgpt"]
 
 
 @dataclass(frozen=True)
@@ -30,6 +32,11 @@ class Prompt:
     # exact output length for this item (synthetic data); None: the run's --mtp-max-tokens
     max_tokens: int | None = None
     ignore_eos: bool | None = None
+    # multi-turn sessions: which conversation this turn belongs to, and which turn it is (0 first)
+    session: int | None = None
+    turn: int | None = None
+    # trace replay: when it is due, in seconds after the replay starts (before any speed-up)
+    trace_offset_s: float | None = None
 
     @property
     def is_chat(self) -> bool:
@@ -181,6 +188,214 @@ class SharedPrefixPrompts:
                       ignore_eos=True)
 
 
+class MultiTurnSessions:
+    """Conversations of `turns` turns: each turn's prompt is the whole history (every earlier user
+    message and reply) plus a new user message of `input_tokens` words, asking for an exact
+    output length (as SyntheticPrompts).
+
+    Item `session * turns + turn` is that session's turn, a pure function of (seed, session,
+    turn), so both arms get the same sessions with the same histories. The replies in the
+    history are scripted (seeded words of each turn's output length), not what an arm answered:
+    that keeps the histories identical on every arm whatever each arm generated, at the cost of
+    prefix-cache hits on the previous reply's own blocks (a chat client that sends back the real
+    reply gets those too). Completions get the history as "User: ...\nAssistant: ..." text; chat
+    gets it as messages. The traffic share keeps each session on one user, turn after turn.
+    """
+
+    name = "multi_turn"
+
+    def __init__(self, turns: int, input_tokens: LengthDistribution, output_tokens: LengthDistribution,
+                 seed: int = 0, chat: bool = False) -> None:
+        if turns < 1:
+            raise ValueError(f"multi_turn needs at least one turn per session (got {turns})")
+        self.turns = turns
+        self.input_tokens = input_tokens
+        self.output_tokens = output_tokens
+        self.seed = seed
+        self.has_chats = chat
+
+    def _turn(self, session: int, turn: int) -> tuple[str, str, int]:
+        """The user's message of one turn, the scripted reply, and the turn's output length."""
+        rng = random.Random(f"mtp-multi-turn:{self.seed}:{session}:{turn}")
+        message = " ".join(rng.choices(_WORDS, k=self.input_tokens.sample(rng)))
+        n_output = self.output_tokens.sample(rng)
+        reply = " ".join(rng.choices(_WORDS, k=n_output))
+        return message, reply, n_output
+
+    def prompt(self, index: int) -> Prompt:
+        session, turn = divmod(index, self.turns)
+        history = [self._turn(session, t) for t in range(turn + 1)]
+        n_output = history[-1][2]
+        if self.has_chats:
+            messages: list[dict[str, str]] = []
+            for message, reply, _ in history[:-1]:
+                messages += [{"role": "user", "content": message}, {"role": "assistant", "content": reply}]
+            messages.append({"role": "user", "content": history[-1][0]})
+            return Prompt(index=index, messages=tuple(messages), max_tokens=n_output, ignore_eos=True,
+                          session=session, turn=turn)
+        text = "".join(f"User: {message}\nAssistant: {reply}\n" for message, reply, _ in history[:-1])
+        return Prompt(index=index, text=f"{text}User: {history[-1][0]}\nAssistant:", max_tokens=n_output,
+                      ignore_eos=True, session=session, turn=turn)
+
+
+# Mooncake traces name their prompts' KV blocks by hash id, one id per 512 tokens: prompts whose
+# ids agree share those blocks (the prefix cache's hits), and replay keeps that sharing
+MOONCAKE_BLOCK_TOKENS = 512
+
+
+@dataclass(frozen=True)
+class TraceRow:
+    """One request of a trace: when it came (seconds after the trace's first request), its
+    lengths, and what it shares with others (a session's earlier turns, a prefix, KV blocks)."""
+
+    at_s: float
+    input_tokens: int
+    output_tokens: int
+    session_id: str | None = None
+    prefix_id: str | None = None
+    prefix_tokens: int | None = None
+    block_ids: tuple[int, ...] | None = None
+
+
+def _positive_int(value: Any, where: str, field: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or value != int(value) or value < 1:
+        raise ValueError(f"{where}: {field} must be a positive integer, got {value!r}")
+    return int(value)
+
+
+def _timestamp(value: Any, where: str, field: str) -> float:
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
+        raise ValueError(f"{where}: {field} must be a non-negative number, got {value!r}")
+    return float(value)
+
+
+def _optional_id(value: Any, where: str, field: str) -> str | None:
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, (str, int)):
+        raise ValueError(f"{where}: {field} must be a string or an integer, got {value!r}")
+    return str(value)
+
+
+def load_trace(path: str | Path, trace_format: TraceFormat = "jsonl") -> list[TraceRow]:
+    """A trace file's requests in time order, times made relative to the first.
+
+    - jsonl: {"timestamp": seconds, "input_tokens", "output_tokens"[, "session_id", "prefix_id",
+      "prefix_tokens"]} per line (this project's format; sessions: a later turn's prompt extends
+      the earlier ones', prefix groups: the first prefix_tokens words shared, default half);
+    - mooncake: Mooncake's {"timestamp": milliseconds, "input_length", "output_length",
+      "hash_ids": [...]} per line (FAST'25 traces);
+    - burstgpt: BurstGPT's CSV (Timestamp in seconds, "Request tokens", "Response tokens");
+      rows with no response tokens (failed requests in the log) are left out.
+    """
+    path = Path(path)
+    if not path.is_file():
+        raise ValueError(f"trace file not found: {path}")
+    rows: list[TraceRow] = []
+    if trace_format == "burstgpt":
+        with open(path, encoding="utf-8", newline="") as text:
+            reader = csv.DictReader(text)
+            missing = {"Timestamp", "Request tokens", "Response tokens"} - set(reader.fieldnames or ())
+            if missing:
+                raise ValueError(f"{path}: not a BurstGPT CSV: no column {', '.join(sorted(missing))}")
+            for number, row in enumerate(reader, start=2):
+                where = f"{path}:{number}"
+                try:
+                    at = float(row["Timestamp"])
+                    n_in, n_out = int(float(row["Request tokens"])), int(float(row["Response tokens"]))
+                except (TypeError, ValueError):
+                    raise ValueError(f"{where}: Timestamp, Request tokens and Response tokens must be numbers") from None
+                if n_out < 1:
+                    continue  # a request that failed in the log: nothing to ask for
+                rows.append(TraceRow(_timestamp(at, where, "Timestamp"), _positive_int(n_in, where, "Request tokens"),
+                                     n_out))
+    elif trace_format in ("jsonl", "mooncake"):
+        for number, row in enumerate(_read_jsonl(path), start=1):
+            where = f"{path}:{number}"
+            if trace_format == "mooncake":
+                blocks = row.get("hash_ids", [])
+                if not isinstance(blocks, list) or not all(isinstance(b, int) and not isinstance(b, bool) for b in blocks):
+                    raise ValueError(f"{where}: hash_ids must be a list of integers")
+                rows.append(TraceRow(
+                    _timestamp(row.get("timestamp"), where, "timestamp") / 1000.0,
+                    _positive_int(row.get("input_length"), where, "input_length"),
+                    _positive_int(row.get("output_length"), where, "output_length"),
+                    block_ids=tuple(blocks),
+                ))
+            else:
+                prefix_tokens = row.get("prefix_tokens")
+                rows.append(TraceRow(
+                    _timestamp(row.get("timestamp"), where, "timestamp"),
+                    _positive_int(row.get("input_tokens"), where, "input_tokens"),
+                    _positive_int(row.get("output_tokens"), where, "output_tokens"),
+                    session_id=_optional_id(row.get("session_id"), where, "session_id"),
+                    prefix_id=_optional_id(row.get("prefix_id"), where, "prefix_id"),
+                    prefix_tokens=None if prefix_tokens is None else _positive_int(prefix_tokens, where, "prefix_tokens"),
+                ))
+    else:
+        raise ValueError(f"unknown trace format {trace_format!r} (jsonl, mooncake or burstgpt)")
+    if not rows:
+        raise ValueError(f"{path}: the trace holds no requests")
+    rows.sort(key=lambda r: r.at_s)  # a stable sort: rows at the same time keep the file's order
+    first = rows[0].at_s
+    return [TraceRow(r.at_s - first, r.input_tokens, r.output_tokens, r.session_id, r.prefix_id, r.prefix_tokens,
+                     r.block_ids) for r in rows]
+
+
+class TracePrompts:
+    """A trace replayed: request i is row i of the trace (looping: after the last row the trace
+    starts again, one mean gap later, with fresh sessions, prefixes and blocks), with the row's
+    lengths (exact output: ignore_eos) and due `at_s / speedup` after the replay starts.
+
+    Prompt words are seeded: a row's own words by its position, shared ones by what it shares
+    (a session, a prefix group, a Mooncake block id), so prompts that share in the trace share
+    the same words, and both arms get the same prompts at the same times.
+    """
+
+    name = "trace"
+    has_chats = False
+
+    def __init__(self, rows: Sequence[TraceRow], seed: int = 0, speedup: float = 1.0) -> None:
+        if not rows:
+            raise ValueError("the trace holds no requests")
+        if not speedup > 0:
+            raise ValueError(f"trace speed-up must be positive, got {speedup}")
+        self.rows = list(rows)
+        self.seed = seed
+        self.speedup = speedup
+        gaps = self.rows[-1].at_s / (len(self.rows) - 1) if len(self.rows) > 1 else 1.0
+        # one pass lasts from the first row to one mean gap after the last
+        self.pass_s = self.rows[-1].at_s + (gaps if gaps > 0 else 1.0)
+
+    def _words(self, key: str, n: int) -> list[str]:
+        # choices() draws one word per call of random(): the first n of a longer draw are the
+        # n-word draw, so a session's later turn extends its earlier turns' prompt word for word
+        return random.Random(f"mtp-trace:{self.seed}:{key}").choices(_WORDS, k=n)
+
+    def prompt(self, index: int) -> Prompt:
+        trace_pass, position = divmod(index, len(self.rows))
+        row = self.rows[position]
+        own = f"{trace_pass}:row:{position}"
+        if row.block_ids:
+            words: list[str] = []
+            for block in row.block_ids:
+                if len(words) >= row.input_tokens:
+                    break
+                words += self._words(f"{trace_pass}:block:{block}", MOONCAKE_BLOCK_TOKENS)
+            words = words[:row.input_tokens]
+            words += self._words(own, row.input_tokens - len(words))
+        elif row.session_id is not None:
+            words = self._words(f"{trace_pass}:session:{row.session_id}", row.input_tokens)
+        elif row.prefix_id is not None:
+            shared = min(row.input_tokens, row.prefix_tokens or max(1, row.input_tokens // 2))
+            words = self._words(f"{trace_pass}:prefix:{row.prefix_id}", shared)
+            words += self._words(own, row.input_tokens - shared)
+        else:
+            words = self._words(own, row.input_tokens)
+        return Prompt(index=index, text=" ".join(words), max_tokens=row.output_tokens, ignore_eos=True,
+                      trace_offset_s=(trace_pass * self.pass_s + row.at_s) / self.speedup)
+
+
 class _ShuffledItems:
     """Items of a file in a seeded order that is reshuffled every pass over the file."""
 
@@ -285,6 +500,10 @@ def open_prompt_source(
     seed: int = 0,
     prefix_groups: int = 8,
     prefix_tokens: int = 256,
+    turns: int = 4,
+    chat: bool = False,
+    trace_format: TraceFormat = "jsonl",
+    trace_speedup: float = 1.0,
 ) -> PromptSource:
     """The prompt source a run's options name; a bad path or spec raises ValueError."""
     if kind == "synthetic":
@@ -292,6 +511,9 @@ def open_prompt_source(
     if kind == "shared_prefix":
         return SharedPrefixPrompts(prefix_groups, prefix_tokens, LengthDistribution.parse(input_tokens),
                                    LengthDistribution.parse(output_tokens), seed)
+    if kind == "multi_turn":
+        return MultiTurnSessions(turns, LengthDistribution.parse(input_tokens), LengthDistribution.parse(output_tokens),
+                                 seed, chat=chat)
     if path is None:
         raise ValueError(f"dataset {kind!r} needs a path (--mtp-dataset-path)")
     if not Path(path).is_file():
@@ -300,4 +522,6 @@ def open_prompt_source(
         return Gsm8kQuestions(path, seed)
     if kind == "jsonl":
         return JsonlPrompts(path, seed)
-    raise ValueError(f"unknown dataset kind {kind!r} (synthetic, shared_prefix, gsm8k or jsonl)")
+    if kind == "trace":
+        return TracePrompts(load_trace(path, trace_format), seed, trace_speedup)
+    raise ValueError(f"unknown dataset kind {kind!r} (synthetic, shared_prefix, multi_turn, gsm8k, jsonl or trace)")

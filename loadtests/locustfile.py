@@ -8,7 +8,9 @@ own --help runs before this file is imported).
 Closed loop (default): each user keeps one request in flight; concurrency = users.
 Open loop (`--mtp-rate R`): requests leave on a global schedule of R/s shared by all
 workers; users are the most requests that can be in flight at once, and a request that
-finds every user busy leaves late (its record's `send_lag_s` says how late).
+finds every user busy leaves late (its record's `send_lag_s` says how late). A trace
+(`--mtp-dataset trace`) is open loop at the trace's own times (`--mtp-trace-speedup`).
+Multi-turn sessions (`--mtp-dataset multi_turn`): each user keeps one session, turn after turn.
 
 Load profiles (`--mtp-steps 1,4,16 --mtp-step-s 30`, `--mtp-ramp 1:16 --mtp-ramp-s 60`)
 play as a Locust load shape: closed loop, level x --mtp-level-users users; open loop,
@@ -295,7 +297,9 @@ def _on_test_stopping(environment: Environment, **_kwargs) -> None:
 
 
 def _schedule_lead_s(environment: Environment) -> float:
-    return OPEN_LOOP_LEAD_S if getattr(environment.parsed_options, "mtp_rate", None) else 0.0
+    options = environment.parsed_options
+    open_loop = getattr(options, "mtp_rate", None) or getattr(options, "mtp_dataset", None) == "trace"
+    return OPEN_LOOP_LEAD_S if open_loop else 0.0
 
 
 def _on_flush_request(environment: Environment, msg, **_kwargs) -> None:
@@ -353,6 +357,7 @@ class LLMStreamUser(User):
                 logger.warning("could not read the model name from %s/v1/models: %s", self.host, exc)
         self._due_at: float | None = None
         self._arm = traffic.join()
+        self._conversation = traffic.conversation()  # multi-turn: the session this user keeps
 
     def on_stop(self) -> None:
         traffic = _process.traffic
@@ -376,7 +381,7 @@ class LLMStreamUser(User):
         ends_at = traffic.ends_at
         if ends_at is not None and time.time() >= ends_at:
             raise StopUser()  # the profile is over: the shape stops the test at its next tick
-        ticket = traffic.next_ticket(getattr(self, "_arm", None))
+        ticket = traffic.next_ticket(getattr(self, "_arm", None), getattr(self, "_conversation", None))
         if ends_at is not None and ticket.scheduled_at is not None and ticket.scheduled_at >= ends_at:
             raise StopUser()
         if ticket.scheduled_at is not None:
@@ -390,6 +395,8 @@ class LLMStreamUser(User):
             tag=traffic.options.tag,
             worker=_process.worker_id,
             dataset_index=ticket.prompt.index,
+            session=ticket.prompt.session,
+            turn=ticket.prompt.turn,
             scheduled_at=ticket.scheduled_at,
             level=traffic.level_at(ticket.scheduled_at if ticket.scheduled_at is not None else time.time()),
         )

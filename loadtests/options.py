@@ -18,7 +18,7 @@ from typing import Any, Literal
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
 from loadtests.arrivals import ArrivalKind
-from loadtests.datasets import DatasetKind, LengthDistribution
+from loadtests.datasets import DatasetKind, LengthDistribution, TraceFormat
 from loadtests.profiles import LoadProfile
 from loadtests.records import Endpoint
 
@@ -27,6 +27,8 @@ from loadtests.records import Endpoint
 BEARER_TOKEN_ENV = "MTP_CANARY_BEARER_TOKEN"
 
 FLAG_PREFIX = "mtp"
+# prompt sources that draw their own words (no file)
+SELF_MADE_DATASETS = ("synthetic", "shared_prefix", "multi_turn")
 
 
 class TrafficOptions(BaseModel):
@@ -36,10 +38,10 @@ class TrafficOptions(BaseModel):
 
     dataset: DatasetKind = Field(
         "synthetic", description="prompt source: synthetic, shared_prefix (synthetic suffixes after shared prefixes), "
-        "gsm8k or jsonl"
+        "multi_turn (sessions whose turns carry their history), gsm8k, jsonl or trace (replayed at its times)"
     )
     dataset_path: str | None = Field(
-        None, description="JSONL file for gsm8k ({'question'}) or jsonl ({'prompt'} or {'messages'})"
+        None, description="JSONL file for gsm8k ({'question'}) or jsonl ({'prompt'} or {'messages'}); the trace file"
     )
     input_tokens: str = Field(
         "128", description="synthetic prompt length in tokens (~words): 128, uniform:64:256, normal:M:S, lognormal:MED:SIG"
@@ -49,6 +51,12 @@ class TrafficOptions(BaseModel):
     )
     prefix_groups: int = Field(8, ge=1, le=100_000, description="shared_prefix: how many distinct prefixes")
     prefix_tokens: int = Field(256, ge=1, le=1_000_000, description="shared_prefix: each prefix's length in tokens (~words)")
+    turns: int = Field(4, ge=1, le=1000, description="multi_turn: turns per session (each user keeps its session)")
+    trace_format: TraceFormat = Field(
+        "jsonl", description="trace: jsonl ({timestamp s, input_tokens, output_tokens[, session_id, prefix_id]}), "
+        "mooncake or burstgpt"
+    )
+    trace_speedup: float = Field(1.0, gt=0, description="trace: replay this many times faster than recorded")
     max_tokens: int = Field(128, ge=1, description="max_tokens of each request (datasets without their own)")
     ignore_eos: bool = Field(False, description="send ignore_eos (always on for synthetic: exact output lengths)")
     endpoint: Endpoint = Field("completions", description="completions (/v1/completions) or chat (/v1/chat/completions)")
@@ -106,9 +114,11 @@ class TrafficOptions(BaseModel):
 
     @model_validator(mode="after")
     def _consistent(self) -> TrafficOptions:
-        if self.dataset not in ("synthetic", "shared_prefix") and not self.dataset_path:
+        if self.dataset not in SELF_MADE_DATASETS and not self.dataset_path:
             raise ValueError(f"dataset {self.dataset!r} needs --mtp-dataset-path")
-        if self.dataset in ("synthetic", "shared_prefix"):
+        if self.dataset == "trace" and (self.rate is not None or self.steps is not None or self.ramp is not None):
+            raise ValueError("a trace sets its own send times: no --mtp-rate, --mtp-steps or --mtp-ramp with it")
+        if self.dataset in SELF_MADE_DATASETS:
             LengthDistribution.parse(self.input_tokens)
             LengthDistribution.parse(self.synthetic_output_tokens)
         if self.arm_pin is not None and not self.pinned_arms:
@@ -131,7 +141,8 @@ class TrafficOptions(BaseModel):
 
     @property
     def open_loop(self) -> bool:
-        return self.rate is not None
+        """Requests leave on a schedule (a rate or a trace's times), not when a user is free."""
+        return self.rate is not None or self.dataset == "trace"
 
     @property
     def pinned_arms(self) -> tuple[str, ...]:

@@ -7,11 +7,18 @@ schedule. Users take tickets one at a time; a user that is busy when its ticket'
 comes sends late, and the record shows by how much. With a load profile every request
 is tagged with the level it was due at (open loop: its targeted time; closed loop: the
 time it leaves), on the one clock the master's plan starts for every worker.
+
+Two prompt sources change who takes what. Multi-turn sessions are partitioned by session,
+not by prompt: the process in slot s owns sessions s, s + n, ...; a user keeps one
+session (its `Conversation`) and sends its turns in order, each turn to every pinned arm
+in turn (or, with arm_users, to its own arm), then takes the next session. A trace's
+requests are due at the trace's times: every pinned arm gets each row at the row's time.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 from loadtests.arrivals import ArrivalSchedule, arrival_schedule
 from loadtests.datasets import Prompt, PromptSource, open_prompt_source
@@ -42,6 +49,14 @@ class RequestTicket:
     scheduled_at: float | None  # open loop: the targeted send time
 
 
+@dataclass
+class Conversation:
+    """A user's place in its multi-turn session (held by the user, advanced by its tickets)."""
+
+    session: int | None = None  # this process's session number (None: no session yet)
+    step: int = 0  # tickets taken in the session: turn = step // arms, arm = step % arms
+
+
 class TrafficShare:
     def __init__(self, options: TrafficOptions, plan: SlotPlan, prompts: PromptSource | None = None) -> None:
         self.options = options
@@ -54,7 +69,13 @@ class TrafficShare:
             seed=options.seed,
             prefix_groups=options.prefix_groups,
             prefix_tokens=options.prefix_tokens,
+            turns=options.turns,
+            chat=options.endpoint == "chat",
+            trace_format=options.trace_format,
+            trace_speedup=options.trace_speedup,
         )
+        # multi-turn: the turns of one session (1: every prompt stands alone)
+        self.turns: int = getattr(self.prompts, "turns", 1)
         if self.prompts.has_chats and options.endpoint != "chat":
             raise ValueError("the dataset holds chat conversations: use --mtp-endpoint chat")
         self.profile = options.profile
@@ -76,6 +97,7 @@ class TrafficShare:
         arms = options.pinned_arms
         self._users_by_arm = {arm: 0 for arm in arms}
         self._issued_by_arm = {arm: 0 for arm in arms}
+        self._sessions_by_arm: dict[str | None, int] = {}
 
     def join(self) -> str | None:
         """A user starts: with `arm_users`, the arm it keeps (the one with the fewest users now)."""
@@ -89,19 +111,27 @@ class TrafficShare:
         if arm is not None and self._users_by_arm.get(arm, 0) > 0:
             self._users_by_arm[arm] -= 1
 
-    def next_ticket(self, user_arm: str | None = None) -> RequestTicket:
+    def conversation(self) -> Conversation | None:
+        """A new user's session holder (multi-turn sources only)."""
+        return Conversation() if self.turns > 1 else None
+
+    def next_ticket(self, user_arm: str | None = None, conversation: Conversation | None = None) -> RequestTicket:
         sequence = self._issued
         self._issued += 1
         arms = self.options.pinned_arms
-        if user_arm is not None:
-            # the user keeps its arm; every arm walks the same prompts (prompt k is its k-th request), so
-            # both arms see the same prompts while each carries the same number of streams
-            prompt_number, arm_number = self._issued_by_arm[user_arm], arms.index(user_arm)
-            self._issued_by_arm[user_arm] += 1
+        if conversation is not None:
+            prompt_index, arm_number = self._next_turn(user_arm, conversation)
         else:
-            # with pinned arms every prompt goes to each arm in turn: both arms see the same prompts
-            prompt_number, arm_number = divmod(sequence, len(arms)) if arms else (sequence, 0)
-        prompt = self.prompts.prompt(self.plan.slot + self.plan.n_slots * prompt_number)
+            if user_arm is not None:
+                # the user keeps its arm; every arm walks the same prompts (prompt k is its k-th request), so
+                # both arms see the same prompts while each carries the same number of streams
+                prompt_number, arm_number = self._issued_by_arm[user_arm], arms.index(user_arm)
+                self._issued_by_arm[user_arm] += 1
+            else:
+                # with pinned arms every prompt goes to each arm in turn: both arms see the same prompts
+                prompt_number, arm_number = divmod(sequence, len(arms)) if arms else (sequence, 0)
+            prompt_index = self.plan.slot + self.plan.n_slots * prompt_number
+        prompt = self.prompts.prompt(prompt_index)
         request = StreamRequest(
             endpoint=self.options.endpoint,
             model=self.model,
@@ -112,8 +142,27 @@ class TrafficShare:
             ignore_eos=prompt.ignore_eos if prompt.ignore_eos is not None else self.options.ignore_eos,
             pinned_arm=arms[arm_number] if arms else None,
         )
-        scheduled_at = self.arrivals.next_send_time() if self.arrivals is not None else None
+        if prompt.trace_offset_s is not None:
+            scheduled_at: float | None = self.plan.start_at + prompt.trace_offset_s
+        else:
+            scheduled_at = self.arrivals.next_send_time() if self.arrivals is not None else None
         return RequestTicket(sequence=sequence, prompt=prompt, request=request, scheduled_at=scheduled_at)
+
+    def _next_turn(self, user_arm: str | None, conversation: Conversation) -> tuple[int, int]:
+        """The prompt and arm of a user's next turn: its session's turns in order, each to every
+        arm it sends to; a finished session makes way for the next of this slot's sessions."""
+        arms = self.options.pinned_arms
+        user_arms: tuple[Any, ...] = (user_arm,) if user_arm is not None else (arms or (None,))
+        if conversation.session is None or conversation.step >= self.turns * len(user_arms):
+            # with arm_users each arm counts its own sessions: an arm's k-th session is every arm's
+            conversation.session = self._sessions_by_arm.get(user_arm, 0)
+            self._sessions_by_arm[user_arm] = conversation.session + 1
+            conversation.step = 0
+        turn, local_arm = divmod(conversation.step, len(user_arms))
+        conversation.step += 1
+        session = self.plan.slot + self.plan.n_slots * conversation.session
+        arm = user_arms[local_arm]
+        return session * self.turns + turn, arms.index(arm) if arm is not None else 0
 
     @property
     def ends_at(self) -> float | None:
