@@ -25,6 +25,7 @@ from cluster.placement import (
 )
 from cluster.router_limits import RouterLimits
 from cluster.staging import STAGING_TIMEOUT_S
+from loadtests.datasets import open_prompt_source
 from rollout import engine_parity
 from rollout.evals import EvalSpec
 from rollout.judge.config import GatesConfig, GuardConfig
@@ -270,12 +271,21 @@ class ExperimentConfig(BaseModel):
         "replica at every moment and both walk the same prompts; default: each request takes the next arm in turn "
         "(equal request counts, but the streams on each arm drift as the faster arm's users come back sooner)",
     )
-    dataset: Literal["synthetic", "shared_prefix", "gsm8k", "jsonl"] = Field(
+    dataset: Literal["synthetic", "shared_prefix", "multi_turn", "gsm8k", "jsonl", "trace"] = Field(
         "synthetic", description="synthetic; shared_prefix (prefix_groups prefixes of prefix_tokens words, each prompt "
-        "one of them plus an input_tokens suffix: the prefix cache's hits, per arm in arms.<arm>.kv); gsm8k or jsonl "
-        "(dataset_path)"
+        "one of them plus an input_tokens suffix: the prefix cache's hits, per arm in arms.<arm>.kv); multi_turn "
+        "(sessions of `turns` turns, each turn's prompt the history plus an input_tokens message; a user keeps its "
+        "session, both arms get the same histories); gsm8k or jsonl (dataset_path); trace (dataset_path in "
+        "trace_format, replayed open loop at its own times / trace_speedup, looping; users_per_replica caps the "
+        "requests in flight; samples in loadtests/data/traces)"
     )
     dataset_path: str | None = None
+    turns: int = Field(4, ge=1, le=1000, description="multi_turn: turns per session")
+    trace_format: Literal["jsonl", "mooncake", "burstgpt"] = Field(
+        "jsonl", description="trace: jsonl ({timestamp s, input_tokens, output_tokens[, session_id, prefix_id, "
+        "prefix_tokens]}), mooncake (Mooncake's JSONL) or burstgpt (BurstGPT's CSV)"
+    )
+    trace_speedup: float = Field(1.0, gt=0, description="trace: replay this many times faster than recorded")
     input_tokens: str = Field("64", description="synthetic prompt length (shared_prefix: the suffix's): N, uniform:A:B, "
                               "normal:M:S, lognormal:M:S")
     prefix_groups: int = Field(8, ge=1, le=100_000, description="shared_prefix: how many distinct prefixes")
@@ -344,6 +354,21 @@ class ExperimentConfig(BaseModel):
             raise ValueError("workers: 0 (one local Locust process) needs worker_placement: local")
         if self.arm_users and self.rate_per_replica:
             raise ValueError("arm_users keeps each closed-loop user on one arm: it does not apply with rate_per_replica")
+        if self.dataset == "trace":
+            if self.rate_per_replica:
+                raise ValueError("dataset: trace sends at the trace's own times: no rate_per_replica with it")
+            if self.sweep.enabled:
+                raise ValueError("dataset: trace sends at the trace's own times: no sweep (stepped levels) with it")
+        if self.dataset in ("gsm8k", "jsonl", "trace") and not self.dataset_path:
+            raise ValueError(f"dataset: {self.dataset} needs dataset_path")
+        if self.dataset_path and self.dataset in ("gsm8k", "jsonl", "trace"):
+            # read it now, as the load generator will: a missing file or a bad line stops the run
+            # before anything starts, not at the first look with replicas up
+            try:
+                open_prompt_source(self.dataset, path=self.dataset_path, seed=self.seed, trace_format=self.trace_format,
+                                   trace_speedup=self.trace_speedup)
+            except (OSError, ValueError) as exc:
+                raise ValueError(f"dataset_path: {exc}") from None
         return self
 
 
@@ -484,6 +509,8 @@ class RolloutConfig(BaseModel):
         if not self.accuracy.enabled and not self.experiment.enabled and not self.progressive.enabled:
             raise ValueError("accuracy, experiment and progressive are all disabled: nothing to judge")
         exp = self.experiment
+        if exp.dataset == "trace" and self.progressive.enabled and self.progressive.rate:
+            raise ValueError("progressive.rate with experiment.dataset: trace: the trace sets its own send times")
         users = exp.users_per_replica * 2 * self.canary.replicas
         if exp.arm_users and users % (2 * max(exp.workers, 1)):
             # each Locust process balances its own users over the arms: an odd share leaves one arm a stream short

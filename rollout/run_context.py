@@ -120,6 +120,9 @@ class TrafficPlan:
             "input_tokens": exp.input_tokens,
             "prefix_groups": exp.prefix_groups,
             "prefix_tokens": exp.prefix_tokens,
+            "turns": exp.turns,
+            "trace_format": exp.trace_format,
+            "trace_speedup": exp.trace_speedup,
             "max_tokens": exp.max_tokens,
             "endpoint": exp.endpoint,
         }

@@ -116,11 +116,17 @@ ENGINE_KEYS = {"baseline": "sk-baseline-engine-key-0123456789", "canary": "sk-ca
 
 def test_bad_drafts_roll_back_on_latency_or_acceptance(tmp_path):
     """Also: engines started with --api-key (a key of each arm's own) work end to end (the preflight,
-    the accuracy evals, Locust through the router), and no key reaches a file of the run or its output."""
+    the accuracy evals, Locust through the router), and no key reaches a file of the run or its output.
+    And the load is multi-turn sessions judged with an SLO: each session's turns reach both arms in
+    order with the same histories, every record carries the id vLLM gave the request, and decision.json
+    holds each arm's goodput."""
     runs = tmp_path / "runs"
     data = yaml.safe_load((REPO / "configs" / "examples" / "local-bad-drafts.yaml").read_text())
     for arm, key in ENGINE_KEYS.items():
         data[arm]["engine"]["extra_args"] = ["--api-key", key]
+    # three turns of 16-word messages and 32-token (scripted) replies: the last turn's prompt ~130 words
+    data["experiment"].update(dataset="multi_turn", turns=3, input_tokens="16")
+    data["gates"]["slo"] = {"ttft_s": 30.0, "e2e_s": 120.0}  # bounds the slowest machine meets: goodput ~1 per arm
     config = tmp_path / "bad-drafts-with-keys.yaml"
     config.write_text(yaml.safe_dump(data))
     proc = run_cli("run", str(config), "--runs-dir", str(runs), "--run-id", "bad", "--eval-limit", "32")
@@ -132,11 +138,42 @@ def test_bad_drafts_roll_back_on_latency_or_acceptance(tmp_path):
         assert leaked == [], leaked
     doc = decision_of(runs, "bad")
     assert doc["decision"] == "rollback"
-    assert key_paths(doc) == key_paths(recorded_document("bad"))
+    # the recorded run had no SLO: what the SLO adds (its bounds, the goodput and its gate) aside, the same document
+    def without_slo(paths: set[str]) -> set[str]:
+        return {p for p in paths if "goodput" not in p and not p.startswith("gates_config.slo.")}
+
+    assert without_slo(key_paths(doc)) == without_slo(key_paths(recorded_document("bad")))
     assert failed_gates(doc) & {"tpot_p50_improvement", "acceptance_length_floor"}
     assert doc["spec_decode"]["canary"]["acceptance_rate"] < 0.3
     assert doc["timeline"][-1]["canary_weight"] == 0
+    goodput = doc["experiment"]["goodput"]
+    assert set(goodput) == {"baseline", "canary"} and all(g["of"] >= 30 and g["share"] > 0.9 for g in goodput.values())
+    records = [json.loads(line) for line in (runs / "bad" / "experiment" / "records.jsonl").read_text().splitlines()]
+    assert_sessions_in_order_on_both_arms(records, turns=3)
+    assert all(r["server_request_id"] == f"cmpl-{r['request_id']}" for r in records if r["ok"])
     assert wait_no_server_processes() == []
+
+
+def assert_sessions_in_order_on_both_arms(records: list[dict], turns: int) -> None:
+    """Each session's turns went out in order (turn t, to the baseline then the canary, before turn t + 1),
+    one request at a time, and both arms got the same prompt (as many prompt tokens) at every turn."""
+    by_session: dict[int, list[dict]] = {}
+    for record in sorted(records, key=lambda r: r["sent_at"]):
+        assert record["dataset_index"] == record["session"] * turns + record["turn"]
+        by_session.setdefault(record["session"], []).append(record)
+    assert len(by_session) >= 10
+    complete = 0
+    for session in by_session.values():
+        order = [(t, arm) for t in range(turns) for arm in ("baseline", "canary")]
+        assert [(r["turn"], r["pinned_arm"]) for r in session] == order[:len(session)]
+        assert all(a["sent_at"] + a["e2e_s"] <= b["sent_at"] + 1e-3 for a, b in zip(session, session[1:]))
+        for first, second in zip(session[::2], session[1::2]):
+            if first["ok"] and second["ok"]:
+                assert first["prompt_tokens"] == second["prompt_tokens"], (first, second)
+        prompts = [r["prompt_tokens"] for r in session[::2] if r["ok"]]
+        assert prompts == sorted(prompts)  # each turn's history holds the last
+        complete += len(session) == len(order)
+    assert complete >= 5
 
 
 def test_broken_canary_rolls_back_on_accuracy_before_any_load(tmp_path):

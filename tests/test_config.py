@@ -129,3 +129,25 @@ def test_an_error_line_stays_one_line_whatever_the_key():
         parse_config(minimal(**{"evil\nkey\x1b[2J" + "k" * 500: 1}))
     message = str(err.value)
     assert "\n" not in message and "\x1b" not in message and len(message) <= 400
+
+
+def test_the_workload_reaches_every_phases_load(tmp_path):
+    from rollout.run_context import TrafficPlan
+
+    trace = REPO / "loadtests" / "data" / "traces" / "mooncake_sample.jsonl"
+    cfg = parse_config(minimal(experiment={"dataset": "trace", "dataset_path": str(trace), "trace_format": "mooncake",
+                                           "trace_speedup": 3.0}))
+    options = TrafficPlan(cfg, "tiny").pinned(tmp_path / "records.jsonl", arm_pin="baseline,canary")
+    assert (options.dataset, options.trace_format, options.trace_speedup, options.open_loop) == ("trace", "mooncake", 3.0, True)
+    cfg = parse_config(minimal(experiment={"dataset": "multi_turn", "turns": 5}))
+    options = TrafficPlan(cfg, "tiny").pinned(tmp_path / "records.jsonl")
+    assert (options.dataset, options.turns) == ("multi_turn", 5)
+    # read as the config says: the Mooncake file is no trace of this project's format
+    with pytest.raises(ConfigError, match=r"mooncake_sample.jsonl:1: input_tokens must be a positive integer"):
+        parse_config(minimal(experiment={"dataset": "trace", "dataset_path": str(trace)}))
+    trace = trace.with_name("sample.jsonl")
+    with pytest.raises(ConfigError, match="no sweep"):
+        parse_config(minimal(experiment={"dataset": "trace", "dataset_path": str(trace), "sweep": {"levels": [1, 2]}}))
+    with pytest.raises(ConfigError, match="progressive.rate"):
+        parse_config(minimal(experiment={"dataset": "trace", "dataset_path": str(trace)},
+                             progressive={"enabled": True, "rate": 2.0, "steps": [{"canary_weight": 50}]}))

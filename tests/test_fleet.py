@@ -34,6 +34,8 @@ from cluster.fleet import ArmSpec, Fleet, FleetStartError
 from cluster.metrics import kv_stats
 from cluster.arms import BASELINE, CANARY
 from cluster.router import Router, RouterClient
+from loadtests.datasets import TracePrompts, load_trace
+from loadtests.records import read_records
 from rollout.config import ProgressiveConfig, RolloutStep, parse_config
 from rollout.evals import EvalSpec, evaluate_batch, load_items, outputs_differ
 from rollout.judge.config import GuardConfig
@@ -336,6 +338,32 @@ def test_vllm_shared_prefix_groups_hit_both_arms_prefix_caches(tmp_path, router,
         stats = kv_stats([before, after], [r.name for r in fleet.replicas if r.arm == arm])
         assert stats.prefix_cache_queries > 2000, (arm, stats)  # several ~450-token prompts each
         assert stats.prefix_cache_hit_rate > 0.5, (arm, stats)
+    h.check_records()
+
+
+def test_vllm_trace_replay_sends_at_the_traces_times_with_its_lengths(tmp_path, router, fleet):
+    # the shipped BurstGPT sample as recorded (~2 requests/s, bursty, through the router split 50/50), open loop
+    h = vllm_harness(tmp_path, router, fleet, "vllm-trace")
+    trace_path = REPO / "loadtests" / "data" / "traces" / "burstgpt_sample.csv"
+    traffic = {**VLLM_TRAFFIC, "dataset": "trace", "dataset_path": str(trace_path), "trace_format": "burstgpt",
+               "trace_speedup": 1.0}
+    outcome = run_progressive(h.context(vllm_config([{"canary_weight": 50, "bake_s": 15}]), "tiny", speculative=True,
+                                        traffic=traffic, n_workers=0))
+    assert outcome.decision == Decision.PROMOTE, outcome.reason
+    records = read_records(tmp_path / "runs" / "vllm-trace" / PHASE / "records.jsonl")
+    trace = TracePrompts(load_trace(trace_path, "burstgpt"), seed=VLLM_TRAFFIC["seed"], speedup=1.0)
+    completed = [r for r in records if r.ok]
+    assert len(completed) > 15 and {r.arm for r in completed} == {BASELINE, CANARY}
+    start = min(r.scheduled_at - trace.prompt(r.dataset_index).trace_offset_s for r in records)
+    for record in completed:
+        prompt = trace.prompt(record.dataset_index)
+        # sent at the row's time (never before), asking for the row's output length, which vLLM served in full
+        assert record.scheduled_at - start == pytest.approx(prompt.trace_offset_s, abs=1e-6)
+        assert record.send_lag_s >= 0 and record.output_tokens == record.requested_max_tokens == prompt.max_tokens
+        # the request id vLLM used is the one the client sent (through the router)
+        assert record.server_request_id == f"cmpl-{record.request_id}"
+    lags = sorted(r.send_lag_s for r in records)
+    print(f"trace replay through vLLM: {len(records)} requests, send lag median {lags[len(lags) // 2] * 1000:.1f} ms")
     h.check_records()
 
 
