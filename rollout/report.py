@@ -122,6 +122,17 @@ def _spec_decode(doc: dict[str, Any]) -> list[str]:
         if sd.get("expected_length_by_k"):
             by_k = ", ".join(f"k={k}: {_num(v)}" for k, v in sd["expected_length_by_k"].items())
             lines.append(f"\nExpected acceptance length of {arm} had it drafted fewer tokens: {by_k}")
+    advice = (doc.get("experiment") or {}).get("depth_advice")
+    if advice:
+        lines += ["", "### Which depth (predicted from the acceptance profile and the arms' step costs)", ""]
+        lines += ["| k | acceptance length | TPOT p50 predicted (ms) | 95% interval | measured | vs best |",
+                  "|---|---|---|---|---|---|"]
+        for p in advice["predictions"]:
+            interval = f"[{p['interval_ms'][0]:.1f}, {p['interval_ms'][1]:.1f}]" if p["interval_ms"] else "n/a"
+            lines.append(f"| {p['k']} | {p['acceptance_length']:.3f} | {p['tpot_ms']:.1f} | {interval} "
+                         f"| {_num(p['measured_tpot_ms'], 1)} | {p['vs_best']:.3f} |")
+        lines.append(f"\n{advice['text']} (step cost {advice['fixed_step_ms']:.1f} ms + {advice['per_draft_ms']:.1f} ms "
+                     "per draft token; rollout/depth_advice.py says what the prediction assumes).")
     return lines
 
 

@@ -17,6 +17,7 @@ from pydantic import BaseModel, ConfigDict
 
 from rollout.config import RolloutConfig
 from rollout.crossover import Crossing, LevelResult
+from rollout.depth_advice import DepthAdvice
 from rollout.judge.goodput import ArmGoodput
 from rollout.judge.noise_floor import NoiseFloor
 from rollout.judge.verdicts import Decision, GateResult
@@ -126,9 +127,13 @@ class ExperimentSummary(Summary):
     goodput: dict[str, ArmGoodput] | None = None
     # the last look's A/A TPOT p50 ratio twin / baseline (rollout.judge.noise_floor); absent without a twin baseline
     noise_floor: NoiseFloor | None = None
+    # TPOT predicted for every MTP depth up to the deepest arm's (rollout.depth_advice); absent when the arms
+    # do not run two depths or a profile is missing
+    depth_advice: DepthAdvice | None = None
 
     def document(self) -> dict[str, Any]:
-        absent = {name for name in ("sweep", "sweep_crossover", "goodput", "noise_floor") if getattr(self, name) is None}
+        absent = {name for name in ("sweep", "sweep_crossover", "goodput", "noise_floor", "depth_advice")
+                  if getattr(self, name) is None}
         return self.model_dump(mode="json", exclude=absent or None)
 
 

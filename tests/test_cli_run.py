@@ -81,7 +81,16 @@ def test_local_cpu_default_promotes_with_a_full_decision_record(tmp_path):
     assert doc["arms"]["canary"]["engine"]["speculative_config"]["num_speculative_tokens"] == 3
     assert doc["timeline"][-1]["canary_weight"] == 100
     assert "same MTP layer" in json.dumps(doc["engine_warnings"]["canary-0"])
+    # which depth: drafts always right, so E(k) = k + 1, and a draft pass costs far less than a step
+    advice = doc["experiment"]["depth_advice"]
+    assert [p["k"] for p in advice["predictions"]] == [1, 2, 3] and advice["profile_arm"] == "canary"
+    assert [p["acceptance_length"] for p in advice["predictions"]] == pytest.approx([2, 3, 4], abs=0.05)
+    assert advice["best_k"] == 3 and advice["predictions"][1]["vs_best"] > 1.0
+    assert all(p["interval_ms"][0] <= p["tpot_ms"] <= p["interval_ms"][1] for p in advice["predictions"])
+    # the warning is logged, but a profile of perfect drafts has no reuse signature
+    assert advice["layer_reuse"]["logged"] and not advice["layer_reuse"]["signature"]
     report = (runs / "promote" / "report.md").read_text()
+    assert "### Which depth" in report
     assert report.count("**pass**") >= 6
     # Speedup vs load: every level measured on both arms, each with its ratio (how large the
     # speedup is at each level depends on the machine: `make bench-tiny`, not a test)

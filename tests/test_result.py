@@ -21,6 +21,7 @@ from cluster.metrics import KvCacheStats
 from cluster.replica_environment import ReplicaEnvironment
 from rollout.config import parse_config
 from rollout.crossover import LevelResult, crossing
+from rollout.depth_advice import DepthArm, advise_depth
 from rollout.judge.config import GatesConfig
 from rollout.judge.verdicts import Decision
 from rollout.report import markdown_report
@@ -72,6 +73,10 @@ def recorded_document(run: str) -> dict:
         doc["experiment"] = {**doc["experiment"], **{k: v for k, v in ADDED_EXPERIMENT_FIELDS.items() if k not in doc["experiment"]}}
         if doc["experiment"].get("sweep") and "sweep_crossover" not in doc["experiment"]:
             doc["experiment"]["sweep_crossover"] = sweep_crossover_of(doc["experiment"]["sweep"])
+        if "depth_advice" not in doc["experiment"] and doc["experiment"].get("latency_ms"):
+            advice = depth_advice_of(doc)
+            if advice is not None:
+                doc["experiment"]["depth_advice"] = advice
     for record in doc.get("arms", {}).values():  # engine fields added since, at their defaults
         if "cpu" in record.get("engine", {}):
             record["engine"]["cpu"] = {**record["engine"]["cpu"], **{
@@ -87,6 +92,24 @@ def recorded_document(run: str) -> dict:
             record.setdefault("environment", {f"{arm}-{i}": ReplicaEnvironment().model_dump(mode="json")
                                               for i in range(record["replicas"])})
     return doc
+
+
+def depth_advice_of(doc: dict) -> dict | None:
+    """The depth advice a run writes since (experiment.depth_advice), from a recorded run's TPOT p50s
+    and acceptance (no per-look TPOTs were kept, so no interval: its key paths are what matter)."""
+    arms = []
+    for arm in ("baseline", "canary"):
+        k = (doc["arms"][arm]["engine"].get("speculative_config") or {}).get("num_speculative_tokens", 0)
+        spec = doc["spec_decode"].get(arm) or {}
+        length = 1.0 if k == 0 else spec.get("mean_acceptance_length")
+        tpot = doc["experiment"]["latency_ms"][arm]["tpot_p50"]
+        if length is None or tpot is None:
+            return None
+        arms.append(DepthArm(arm, k, length, tpot))
+    deepest = max(arms, key=lambda a: a.k)
+    profile = (doc["spec_decode"].get(deepest.name) or {}).get("per_position")
+    advice = advise_depth(arms, profile or [], profile_arm=deepest.name, streams_per_replica=2.0)
+    return advice.model_dump(mode="json") if advice is not None else None
 
 
 def sweep_crossover_of(rows: list[dict]) -> dict:

@@ -7,13 +7,14 @@ from __future__ import annotations
 import numpy as np
 
 from cluster.arms import BASELINE, CANARY
-from cluster.metrics import MetricsSampler, kv_stats
+from cluster.metrics import MetricsSampler, SpecDecodeStats, kv_stats
 from cluster.router_limits import is_loopback
 from loadtests.console import TAB_TITLE, console_spec
 from loadtests.health import percentile_ms
 from loadtests.records import RequestRecord
 from loadtests.swarm import SwarmSpec
 from rollout.config import TWIN
+from rollout.depth_advice import DepthAdvice, DepthArm, advise_depth
 from rollout.judge.goodput import goodput_by_arm
 from rollout.phases.experiment_loop import LOAD_MARGIN_S, LOAD_STOP_TIMEOUT_S, ExperimentContext, ExperimentPhase
 from rollout.result import ExperimentSummary, SpecDecodeSummary
@@ -116,8 +117,40 @@ class Experiment:
             stopped_by="abort" if outcome.aborted else "max_duration_s" if outcome.capped_reason else "evidence",
             goodput=goodput_by_arm(judged, slo) if slo is not None else None,
             noise_floor=outcome.noise_floor,
+            depth_advice=depth_advice_of(ctx, judged, outcome.looks_of[: len(judged)], outcome.spec_decode),
         )
         ctx.result.gates += outcome.gates
+
+
+def depth_advice_of(ctx: RunContext, records: list[RequestRecord], looks_of: list[int],
+                    spec_decode: dict[str, SpecDecodeStats]) -> DepthAdvice | None:
+    """The TPOT of every MTP depth up to the deepest arm's, predicted from its acceptance profile and
+    the arms' step costs (rollout.depth_advice); None when the arms do not give it (one depth, an arm
+    whose counters were not scraped, no TPOT)."""
+    by_look: dict[int, list[RequestRecord]] = {}
+    for record, look in zip(records, looks_of):
+        by_look.setdefault(look, []).append(record)
+    arms = []
+    for arm in (BASELINE, CANARY):
+        k = ctx.engines[arm].num_speculative_tokens
+        stats = spec_decode.get(arm)
+        length = 1.0 if k == 0 else (stats.mean_acceptance_length if stats is not None else None)
+        tpot = latency_summary(records, arm)["tpot_p50"]
+        if length is None or tpot is None:
+            return None
+        per_look = [latency_summary(look_records, arm)["tpot_p50"] for _, look_records in sorted(by_look.items())]
+        # a look without this arm's TPOT leaves the interval out (the point prediction stands)
+        arms.append(DepthArm(arm, k, length, tpot, per_look if None not in per_look else []))
+    deepest = max(arms, key=lambda a: a.k)
+    stats = spec_decode.get(deepest.name)
+    if stats is None or not stats.per_position_rate:
+        return None
+    replicas = [name for name, arm in ctx.replica_arms().items() if arm == deepest.name]
+    logged = any("same MTP layer" in warning for name in replicas for warning in ctx.result.engine_warnings.get(name, []))
+    exp = ctx.cfg.experiment
+    return advise_depth(arms, stats.per_position_rate, profile_arm=deepest.name,
+                        streams_per_replica=None if exp.rate_per_replica else float(exp.users_per_replica),
+                        reuse_logged=logged)
 
 
 def with_console(ctx: RunContext, spec: SwarmSpec, phase: str) -> SwarmSpec:

@@ -120,6 +120,7 @@ class ExperimentOutcome:
     records: list[RequestRecord] = field(default_factory=list)  # judged, then the ones after the last look
     noise_floor: NoiseFloor | None = None  # the last look's A/A ratio twin / baseline (twin_baseline only)
     warmup_records: list[RequestRecord] = field(default_factory=list)  # before `records`: stored, never judged
+    looks_of: list[int] = field(default_factory=list)  # the look each of `records` arrived in (the last: after the last look)
 
 
 class ExperimentPhase:
@@ -219,6 +220,7 @@ class ExperimentPhase:
             records=self.records,
             noise_floor=self.noise_floor,
             warmup_records=self.warmup or [],
+            looks_of=self.looks_of,
         )
 
     # -- the warm-up -----------------------------------------------------------
