@@ -169,6 +169,16 @@ class GatesConfig(pydantic.BaseModel, extra="forbid"):
         "the drop below it; fail needs the lower bound above it.",
     )
 
+    prefix_cache_max_drop: float | None = Field(
+        None,
+        gt=0.0,
+        lt=1.0,
+        description="Prefix-cache gate margin (prefix_cache_guard): the canary's prefix-cache hit rate (vLLM's "
+        "prefix_cache_hits / prefix_cache_queries over the experiment, prompt tokens) may be at most this much below "
+        "the baseline's (absolute, 0.1 = 10 points), paired by look. Null: no prefix-cache gate. Meant for a load with "
+        "shared prefixes (experiment.dataset shared_prefix, multi_turn, or a trace that shares them).",
+    )
+
     @property
     def goodput_slo(self) -> SloConfig | None:
         """The SLO when it sets at least one bound (the goodput gate exists), else None."""
@@ -178,6 +188,9 @@ class GatesConfig(pydantic.BaseModel, extra="forbid"):
     def _goodput_needs_an_slo(self) -> "GatesConfig":
         if self.enabled and "goodput_guard" in self.enabled and self.goodput_slo is None:
             raise ValueError("enabled names goodput_guard but gates.slo sets no bound: the gate would never be judged")
+        if self.enabled and "prefix_cache_guard" in self.enabled and self.prefix_cache_max_drop is None:
+            raise ValueError("enabled names prefix_cache_guard but gates.prefix_cache_max_drop is null: the gate would "
+                             "never be judged")
         return self
 
     @pydantic.field_validator("enabled")

@@ -50,7 +50,8 @@ from rollout.judge.config import GatesConfig
 from rollout.judge.goodput import goodput_samples, judge_goodput
 from rollout.judge.latency import LatencySamples, judge_latency, latency_samples_by_arm, latency_samples_from_records
 from rollout.judge.sample_ratio import judge_sample_ratio
-from rollout.judge.names import GOODPUT_NAME, OBJECTIVE_NAME, TWIN_ARM
+from rollout.judge.names import GOODPUT_NAME, OBJECTIVE_NAME, PREFIX_CACHE_NAME, TWIN_ARM
+from rollout.judge.prefix_cache import PrefixCacheLooks, judge_prefix_cache
 from rollout.judge.noise_floor import NoiseFloor, apply_noise_floor, judge_noise_floor
 from rollout.judge.verdicts import GateResult, Verdict, is_enabled, is_final
 
@@ -214,8 +215,11 @@ def judge_look_with_floor(
     plan: LookPlan,
     canary_spec: SpecDecodeStats | None,
     speculative_canary: bool,
+    prefix_cache: PrefixCacheLooks | None = None,
 ) -> tuple[list[GateResult], NoiseFloor | None]:
-    """`judge_look`'s gates and, with a twin baseline, the look's A/A noise floor (None without a twin)."""
+    """`judge_look`'s gates and, with a twin baseline, the look's A/A noise floor (None without a twin).
+    ``prefix_cache``: each arm's prefix-cache counters at every look (the live loop reads them from
+    /metrics; a replay of records has none, so an enabled prefix-cache gate is INCONCLUSIVE there)."""
     look = len(fractions)
     samples = latency_samples_by_arm(records, looks_of, plan.arms)
     baseline, canary = samples[BASELINE], samples[CANARY]
@@ -239,6 +243,9 @@ def judge_look_with_floor(
     if is_enabled(GOODPUT_NAME, cfg) and cfg.goodput_slo is not None:
         samples = goodput_samples(records, cfg.goodput_slo, looks_of)
         gates.append(judge_goodput(samples, cfg, look=look, max_looks=plan.planned_looks, information=list(fractions)))
+    if is_enabled(PREFIX_CACHE_NAME, cfg):
+        gates.append(judge_prefix_cache(prefix_cache, cfg, look=look, max_looks=plan.planned_looks,
+                                        information=list(fractions)))
     return gates, floor
 
 

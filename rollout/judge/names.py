@@ -10,6 +10,7 @@ __all__ = [
     "ACCEPTANCE_NAME",
     "SAMPLE_RATIO_NAME",
     "GOODPUT_NAME",
+    "PREFIX_CACHE_NAME",
     "GATE_NAMES",
     "GATE_PHASES",
     "TWIN_ARM",
@@ -26,8 +27,11 @@ ACCEPTANCE_NAME = "acceptance_length_floor"
 SAMPLE_RATIO_NAME = "sample_ratio"
 # judged only when gates.slo sets a bound; not one of the Holm-adjusted latency guardrails (a family of its own)
 GOODPUT_NAME = "goodput_guard"
+# judged only when gates.prefix_cache_max_drop is set; a family of its own, as the goodput gate
+PREFIX_CACHE_NAME = "prefix_cache_guard"
 GATE_NAMES = (
     OBJECTIVE_NAME, *GUARDRAIL_NAMES, ACCURACY_NAME, DIVERGENCE_NAME, ACCEPTANCE_NAME, SAMPLE_RATIO_NAME, GOODPUT_NAME,
+    PREFIX_CACHE_NAME,
 )
 
 # the run phase (rollout.config section) whose data judges each gate: with that phase
@@ -38,6 +42,7 @@ GATE_PHASES = {
     ACCEPTANCE_NAME: "experiment",
     SAMPLE_RATIO_NAME: "experiment",
     GOODPUT_NAME: "experiment",
+    PREFIX_CACHE_NAME: "experiment",
     ACCURACY_NAME: "accuracy",
     DIVERGENCE_NAME: "accuracy",
 }

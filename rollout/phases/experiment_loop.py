@@ -36,7 +36,7 @@ from typing import Any
 
 from cluster.arms import BASELINE, CANARY
 from cluster.continuous_load import ContinuousLoad
-from cluster.metrics import MetricsSnapshot, SpecDecodeStats, spec_decode_delta
+from cluster.metrics import MetricsSnapshot, SpecDecodeStats, kv_stats, spec_decode_delta
 from cluster.router import RouterClient
 from loadtests.health import format_or_na, percentile_ms
 from loadtests.records import RequestRecord
@@ -54,6 +54,7 @@ from rollout.judge.experiment_looks import (
     warmup_end,
 )
 from rollout.judge.noise_floor import NoiseFloor
+from rollout.judge.prefix_cache import PrefixCacheLooks
 from rollout.judge.verdicts import GateResult
 from rollout.phases.replica_watch import ReplicaWatch
 from rollout.store import RunStore
@@ -137,6 +138,8 @@ class ExperimentPhase:
         self.gates: list[GateResult] = []
         self.noise_floor: NoiseFloor | None = None
         self.spec_delta: dict[str, SpecDecodeStats] = {}
+        # each arm's prefix-cache (hits, queries) since the phase began, read at every look (None: unknown)
+        self.prefix_counters: dict[str, list[tuple[float, float] | None]] = {BASELINE: [], CANARY: []}
         self.unscraped: set[str] = set()
         self.metrics_start: dict[str, MetricsSnapshot] = {}
         self._last_look_wall: float | None = None
@@ -260,7 +263,8 @@ class ExperimentPhase:
         self._scrape_acceptance()
         canary_spec = None if CANARY in self.unscraped else self.spec_delta.get(CANARY, SpecDecodeStats())
         self.gates, self.noise_floor = judge_look_with_floor(
-            self.records, self.looks_of, self.fractions, ctx.gates, plan, canary_spec, ctx.speculative_canary
+            self.records, self.looks_of, self.fractions, ctx.gates, plan, canary_spec, ctx.speculative_canary,
+            prefix_cache=PrefixCacheLooks(baseline=self.prefix_counters[BASELINE], canary=self.prefix_counters[CANARY]),
         )
         ctx.store.put_phase_result(ctx.run_id, PHASE, look, [g.model_dump(mode="json") for g in self.gates])
         summary = {
@@ -301,6 +305,10 @@ class ExperimentPhase:
                 self.unscraped.add(arm)
             else:
                 totals[arm] = delta
+            if arm in self.prefix_counters:
+                kv = kv_stats([self.metrics_start, after], replicas)
+                known = kv.prefix_cache_hits is not None and kv.prefix_cache_queries is not None
+                self.prefix_counters[arm].append((kv.prefix_cache_hits, kv.prefix_cache_queries) if known else None)
         self.spec_delta = totals
 
     def _capped_reason(self, totals: dict[str, int]) -> str:
