@@ -5,7 +5,9 @@ its own: seeded, small (a minute or two of traffic, prompts that fit the tiny ch
 1,024-token context), one per format `loadtests.datasets.load_trace` reads:
 
 - `sample.jsonl`: this project's format, bursty (gamma arrivals, shape 0.5), with sessions
-  of three turns (each turn's prompt extends the last) and groups sharing a prefix;
+  of three turns (each turn's prompt extends the last) and groups sharing a 300-word prefix
+  (long enough to hit: vLLM's prefix cache on the hybrid MiMo-V2 hits whole 128-token blocks
+  short of the prompt's last full one, so a shared prefix under ~2 blocks never hits);
 - `mooncake_sample.jsonl`: Mooncake's format (timestamps in ms, KV block hash ids of 512
   tokens; the first block drawn from a few shared ones, as a system prompt is);
 - `burstgpt_sample.csv`: BurstGPT's CSV, with a few failed requests (no response tokens)
@@ -51,9 +53,9 @@ def sample_jsonl(n: int = 120, seed: int = 0) -> str:
                 session = 100 + len(session_turns)  # that one is over: a new session
                 turn = 0
             session_turns[session] = turn + 1
-            row.update(input_tokens=40 + 60 * turn + rng.randint(0, 20), session_id=f"s{session}")
+            row.update(input_tokens=120 + 120 * turn + rng.randint(0, 20), session_id=f"s{session}")
         elif kind < 0.6:
-            row.update(input_tokens=rng.randint(140, 260), prefix_id=f"p{rng.randrange(4)}", prefix_tokens=128)
+            row.update(input_tokens=rng.randint(330, 420), prefix_id=f"p{rng.randrange(4)}", prefix_tokens=300)
         else:
             row["input_tokens"] = rng.randint(16, 200)
         lines.append(json.dumps(row, sort_keys=True))
