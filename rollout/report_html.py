@@ -310,6 +310,16 @@ def _acceptance(doc: dict[str, Any], run_dir: Path) -> list[str]:
                        "the expected acceptance length had the arm drafted only k' tokens."))
     out.append(_table(["arm", "position i", "P(accepted up to i)", "P(accept i | i-1 accepted)",
                        "E[length] drafting k'=i", "measured mean length"], rows))
+    advice = (doc.get("experiment") or {}).get("depth_advice")
+    if advice:
+        out.append('<h3 id="depth-advice">Which depth: TPOT predicted from the acceptance profile and the step costs</h3>')
+        out.append(_table(
+            ["k", "acceptance length", "TPOT p50 predicted (ms)", "95% interval (ms)", "measured (ms)", "vs best"],
+            [[p["k"], _num(p["acceptance_length"]), _num(p["tpot_ms"]),
+              f"[{_num(p['interval_ms'][0])}, {_num(p['interval_ms'][1])}]" if p["interval_ms"] else "n/a",
+              _num(p["measured_tpot_ms"]), _num(p["vs_best"])] for p in advice["predictions"]],
+        ))
+        out.append(f"<p>{html.escape(advice['text'])}.</p>")
     return out
 
 

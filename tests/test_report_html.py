@@ -233,3 +233,15 @@ def test_the_page_renders_in_headless_chromium(tmp_path):
         finally:
             browser.close()
     assert errors == []
+
+
+def test_the_depth_advice_is_a_table_under_the_acceptance_profile(tmp_path):
+    from tests.test_result import depth_advice_of
+
+    doc = _doc("promote")
+    doc["experiment"]["depth_advice"] = depth_advice_of(doc)
+    page = html_report(doc, _run_dir(tmp_path, "promote"))
+    section = page[page.index('id="depth-advice"'):]
+    section = section[:section.index("</p>")]
+    assert "k=3 is predicted fastest at 2 streams per replica" in section
+    assert section.count("<tr>") == 1 + 3  # the header and k = 1, 2, 3
