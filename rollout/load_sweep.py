@@ -26,6 +26,8 @@ import numpy as np
 from loadtests.health import format_or_na, median_ms
 from loadtests.records import RequestRecord
 from rollout.crossover import LevelResult, ratio_interval
+from rollout.judge.config import SloConfig
+from rollout.judge.goodput import arm_goodput
 
 __all__ = ["crossover_line", "level_results", "summarize_sweep", "sweep_table"]
 
@@ -34,9 +36,11 @@ def _of_arm(record: RequestRecord, arm: str) -> bool:
     return record.arm == arm or (record.arm is None and record.pinned_arm == arm)
 
 
-def summarize_sweep(records: Sequence[RequestRecord], arms: Sequence[str], step_s: float) -> list[dict]:
+def summarize_sweep(records: Sequence[RequestRecord], arms: Sequence[str], step_s: float,
+                    slo: SloConfig | None = None) -> list[dict]:
     """Per level (ascending): per arm requests, errors, TPOT/TTFT p50 ms, output tokens/s, client
-    tokens per chunk; and the canary/baseline TPOT p50 ratio (arms[0] is the baseline)."""
+    tokens per chunk, goodput (the share of its requests meeting `slo`; null without one: goodput
+    vs load); and the canary/baseline TPOT p50 ratio (arms[0] is the baseline)."""
     levels = sorted({r.level for r in records if r.level is not None})
     out = []
     for level in levels:
@@ -53,6 +57,7 @@ def summarize_sweep(records: Sequence[RequestRecord], arms: Sequence[str], step_
                 "ttft_p50_ms": median_ms([r.ttft_s for r in ok if r.ttft_s is not None]),
                 "output_tokens_per_s": round(sum(r.output_tokens or 0 for r in ok) / step_s, 2),
                 "tokens_per_chunk": round(float(np.mean(per_chunk)), 3) if per_chunk else None,
+                "goodput": arm_goodput(mine, slo, arm).share if slo is not None else None,
             }
         base, canary = (row["arms"][a]["tpot_p50_ms"] for a in arms[:2])
         row["tpot_ratio"] = round(canary / base, 4) if base and canary is not None else None
@@ -76,6 +81,10 @@ def sweep_table(rows: Sequence[dict], arms: Sequence[str]) -> list[str]:
             f"{format_or_na(b['ttft_p50_ms'])} | {format_or_na(c['ttft_p50_ms'])} | {format_or_na(c['tokens_per_chunk'])} | "
             f"{b['requests']}/{c['requests']} | {b['output_tokens_per_s'] + c['output_tokens_per_s']:.1f} |"
         )
+    if rows and any(row["arms"][a].get("goodput") is not None for row in rows for a in (base, canary)):
+        lines += ["", "Goodput vs load (share of requests meeting gates.slo): " + "; ".join(
+            f"{row['level']:g} streams {format_or_na(row['arms'][base].get('goodput'))} / "
+            f"{format_or_na(row['arms'][canary].get('goodput'))}" for row in rows) + f" ({base} / {canary})"]
     return lines
 
 

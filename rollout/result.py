@@ -81,6 +81,7 @@ class SweepArm(Summary):
     ttft_p50_ms: float | None
     output_tokens_per_s: float
     tokens_per_chunk: float | None
+    goodput: float | None = None  # share of the level's requests meeting gates.slo; null without an SLO
 
 
 class SweepRow(Summary):

@@ -40,3 +40,22 @@ def test_a_level_without_canary_latency_has_no_ratio():
     rows = summarize_sweep([record(0, "baseline", 2, 0.03)], ("baseline", "canary"), step_s=5)
     assert rows[0]["tpot_ratio"] is None and rows[0]["arms"]["canary"]["requests"] == 0
     assert "n/a" in sweep_table(rows, ("baseline", "canary"))[2]
+
+
+def test_goodput_vs_load_with_an_slo():
+    from rollout.judge.config import SloConfig
+
+    records = []
+    for i in range(10):
+        # at 1 stream every request meets a 40 ms TPOT bound; at 4 the canary's do, the baseline's
+        # slow half misses it, and one failed canary request misses whatever its latency
+        records += [record(i, "baseline", 1, 0.030), record(i, "canary", 1, 0.015)]
+        records += [record(i, "baseline", 4, 0.030 if i < 5 else 0.050), record(i, "canary", 4, 0.035)]
+    records.append(record(98, "canary", 4, 0.01, ok=False))
+    rows = summarize_sweep(records, ("baseline", "canary"), step_s=10, slo=SloConfig(tpot_s=0.040))
+    assert [(r["arms"]["baseline"]["goodput"], r["arms"]["canary"]["goodput"]) for r in rows] == [
+        (1.0, 1.0), (0.5, pytest.approx(10 / 11))]
+    table = sweep_table(rows, ("baseline", "canary"))
+    assert table[-1].startswith("Goodput vs load") and "4 streams 0.50 / 0.91" in table[-1]
+    assert all(arm["goodput"] is None for row in summarize_sweep(records, ("baseline", "canary"), step_s=10)
+               for arm in row["arms"].values())  # no SLO, no goodput

@@ -73,6 +73,9 @@ def recorded_document(run: str) -> dict:
         doc["experiment"] = {**doc["experiment"], **{k: v for k, v in ADDED_EXPERIMENT_FIELDS.items() if k not in doc["experiment"]}}
         if doc["experiment"].get("sweep") and "sweep_crossover" not in doc["experiment"]:
             doc["experiment"]["sweep_crossover"] = sweep_crossover_of(doc["experiment"]["sweep"])
+        for row in doc["experiment"].get("sweep") or []:  # goodput vs load (null without an SLO)
+            for arm in row["arms"].values():
+                arm.setdefault("goodput", None)
         if "depth_advice" not in doc["experiment"] and doc["experiment"].get("latency_ms"):
             advice = depth_advice_of(doc)
             if advice is not None:
@@ -147,6 +150,9 @@ def test_a_recorded_decision_document_survives_the_typed_result(run):
     for key, default in ADDED_EXPERIMENT_FIELDS.items():
         if doc["experiment"]:
             doc["experiment"].setdefault(key, default)
+    for row in (doc["experiment"] or {}).get("sweep") or []:  # and each sweep level's goodput (null: no SLO)
+        for arm in row["arms"].values():
+            arm.setdefault("goodput", None)
     result = RunResult.from_document(doc, config_of(doc), Path("/tmp") / run)
     # typed, not dicts: a phase that changes a shape fails here, not in a user's pipeline
     assert result.decision is None or isinstance(result.decision, Decision)

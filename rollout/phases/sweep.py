@@ -45,7 +45,7 @@ class Sweep:
         else:
             records = self._fixed(ctx)
             levels = level_results(records, ARMS, ctx.cfg.experiment.sweep.step_s, ctx.cfg.canary.replicas)
-        rows = summarize_sweep(records, ARMS, ctx.cfg.experiment.sweep.step_s)
+        rows = summarize_sweep(records, ARMS, ctx.cfg.experiment.sweep.step_s, ctx.cfg.gates.goodput_slo)
         ctx.store.put_phase_result(ctx.run_id, "sweep", 1, rows)
         ctx.result.experiment.sweep = [SweepRow.model_validate(row) for row in rows]
         found = SweepCrossover(
