@@ -192,8 +192,8 @@ def judge_prefix_cache(
     detail = (
         f"{reason} Prefix-cache hit rate baseline {rate_b:.4f} ({bh[:looks].sum():.0f}/{bq[:looks].sum():.0f} prompt "
         f"tokens), canary {rate_c:.4f} ({ch[:looks].sum():.0f}/{cq[:looks].sum():.0f}); the drop is the mean of "
-        f"the {looks} look(s)' rate differences (paired by look), t on looks - 1 df at alpha {cfg.alpha:g} each side, look {boundary_look}/{planned} "
-        f"({cfg.spending} spending), intersected over the looks.{note}"
+        f"the {looks} look(s)' rate differences (paired by look), t on looks - 1 df at alpha {cfg.alpha:g} each side, "
+        f"look {boundary_look}/{planned} ({cfg.spending} spending), intersected over the looks.{note}"
     )
     bounded = any_usable and math.isfinite(lower) and math.isfinite(upper)
     return GateResult(
