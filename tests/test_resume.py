@@ -174,7 +174,11 @@ def _run_row(db: Path, run_id: str) -> dict | None:
         return None
     with sqlite3.connect(db) as conn:
         conn.row_factory = sqlite3.Row
-        row = conn.execute("SELECT * FROM runs WHERE run_id = ?", (run_id,)).fetchone()
+        try:
+            row = conn.execute("SELECT * FROM runs WHERE run_id = ?", (run_id,)).fetchone()
+        except sqlite3.OperationalError:
+            # polled between the run creating the file and its schema (seen in CI): no row yet
+            return None
     return dict(row) if row else None
 
 
