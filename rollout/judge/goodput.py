@@ -53,14 +53,13 @@ from dataclasses import dataclass
 
 import numpy as np
 from pydantic import BaseModel, ConfigDict, Field
-from scipy import special
 
 from cluster.arms import BASELINE, CANARY
 from loadtests.records import RequestRecord
 from rollout.judge import stats
 from rollout.judge.config import GatesConfig, SloConfig
 from rollout.judge.latency import RUN_BLOCK_REQUESTS, cumulative_bounds
-from rollout.judge.looks import CODE_TO_VERDICT, interval_or_none, resolve_information, upper_is_good_verdict, z
+from rollout.judge.looks import CODE_TO_VERDICT, interval_or_none, resolve_information, t_critical, upper_is_good_verdict, z
 from rollout.judge.names import GOODPUT_NAME
 from rollout.judge.verdicts import GateResult, Verdict
 
@@ -191,15 +190,6 @@ def _design_effect(differences: np.ndarray, blocks: np.ndarray) -> float:
     return max(n_blocks / (n_blocks - 1) * float(np.sum(sums**2)) / iid, 1.0)
 
 
-def _t_critical(z_value: float, df: float) -> float:
-    """The t quantile on ``df`` at the one-sided level of the look's critical z (inf stays inf)."""
-    if not math.isfinite(z_value):
-        return math.inf
-    level = float(special.ndtr(-z_value))
-    # the latency bands' t (stats.block_rank_band), cached there: one t for every block-robust bound
-    return stats._t_upper_quantile(level, round(float(df), 2)) if level > 0.0 else math.inf
-
-
 @dataclass(frozen=True)
 class _LookCounts:
     """One look's pairs as the interval needs them: design-effect-scaled counts and the t critical value."""
@@ -220,7 +210,7 @@ def _look_counts(differences: np.ndarray, blocks: np.ndarray, z_value: float) ->
         only_baseline=float(np.sum(differences > 0)) / deff,
         only_canary=float(np.sum(differences < 0)) / deff,
         pairs=differences.size / deff,
-        crit=_t_critical(z_value, n_blocks - 1),
+        crit=t_critical(z_value, n_blocks - 1),
         deff=deff,
         blocks=n_blocks,
     )

@@ -10,6 +10,7 @@ import math
 from collections.abc import Sequence
 
 import numpy as np
+from scipy import special
 
 from rollout.judge import stats
 from rollout.judge.config import GatesConfig
@@ -24,6 +25,7 @@ __all__ = [
     "holm_levels",
     "resolve_look",
     "z",
+    "t_critical",
     "resolve_information",
     "finite_or_none",
     "interval_or_none",
@@ -74,6 +76,16 @@ def z(alpha: float, look: int, planned: int, cfg: GatesConfig, information: Sequ
     if alpha <= 0.0:
         return math.inf
     return float(stats.boundaries_at_information(alpha, information[:look], cfg.spending)[-1])
+
+
+def t_critical(z_value: float, df: float) -> float:
+    """The t quantile on ``df`` at the one-sided level of the look's critical z (inf stays inf): the
+    block-robust gates' (goodput, prefix cache) critical value on blocks - 1 degrees of freedom."""
+    if not math.isfinite(z_value):
+        return math.inf
+    level = float(special.ndtr(-z_value))
+    # the latency bands' t (stats.block_rank_band), cached there: one t for every block-robust bound
+    return stats._t_upper_quantile(level, round(float(df), 2)) if level > 0.0 else math.inf
 
 
 def resolve_information(

@@ -46,9 +46,8 @@ from dataclasses import dataclass
 import numpy as np
 
 from rollout.judge.config import GatesConfig
-from rollout.judge.goodput import _t_critical
 from rollout.judge.latency import cumulative_bounds
-from rollout.judge.looks import CODE_TO_VERDICT, interval_or_none, resolve_information, upper_is_good_verdict, z
+from rollout.judge.looks import CODE_TO_VERDICT, interval_or_none, resolve_information, t_critical, upper_is_good_verdict, z
 from rollout.judge.names import PREFIX_CACHE_NAME
 from rollout.judge.verdicts import GateResult, Verdict
 
@@ -122,7 +121,7 @@ def _t_inflation(alpha: float, planned: int, spending: str) -> float:
         t_stats = means / np.sqrt(variances / k)
     ratios = []
     for look in range(2, planned + 1):  # a verdict needs 2 looks
-        crit = _t_critical(z(alpha, look, planned, cfg), look - 1)
+        crit = t_critical(z(alpha, look, planned, cfg), look - 1)
         ratios.append(t_stats[:, look - 1] / crit if math.isfinite(crit) else np.zeros(INFLATION_PATHS))
     worst = np.max(np.vstack(ratios), axis=0)
     # the factor f with P(some look's t > f x its bound) = alpha: the (1 - alpha) quantile of the worst ratio
@@ -165,7 +164,7 @@ def judge_prefix_cache(
             why_not = "Needs counters from at least 2 looks: one look's rate has no spread to judge it by."
             continue
         _, _, drop, se = _drop_and_se(bh[upto], bq[upto], ch[upto], cq[upto])
-        crit = _t_critical(z(cfg.alpha, i + 1, planned, cfg, fractions), i) * _t_inflation(cfg.alpha, planned, cfg.spending)
+        crit = t_critical(z(cfg.alpha, i + 1, planned, cfg, fractions), i) * _t_inflation(cfg.alpha, planned, cfg.spending)
         lower_own[i], upper_own[i] = drop - crit * se, drop + crit * se
         usable[i] = True
         why_not = ""
