@@ -212,6 +212,14 @@ class EngineSpec(BaseModel):
     env: dict[str, str] = Field(default_factory=dict, description="extra environment of the server process")
     cpu: CpuLimits = Field(default_factory=CpuLimits)
     startup_timeout_s: float = Field(900.0, gt=0, description="how long /health may take to answer 200")
+    # The server's /metrics counts every request it serves, the experiment's and anyone else's
+    # (seen: two client requests pinned to the canary pulled its measured acceptance from ~0.95
+    # to 0.59). Per-request metrics let the judge count the experiment's own requests alone.
+    per_request_spec_decode_metrics: bool = Field(
+        True,
+        description="--per-request-spec-decode-metrics summary: each response's final usage chunk carries its own "
+        "draft acceptance, which the acceptance gate counts (no effect on an engine that does not speculate)",
+    )
 
     @field_validator("speculative_config")
     @classmethod
@@ -302,6 +310,8 @@ class EngineSpec(BaseModel):
             cmd += ["--speculative-config", json.dumps(self.speculative_config, sort_keys=True)]
         if self.enforce_eager:
             cmd.append("--enforce-eager")
+        if self.per_request_spec_decode_metrics:
+            cmd += ["--per-request-spec-decode-metrics", "summary"]
         if self.trust_remote_code:
             cmd.append("--trust-remote-code")
         # --api-key goes by the environment (environment()): vLLM prints its non-default

@@ -53,6 +53,7 @@ ENDPOINT_PATHS: dict[str, str] = {
 # How much of an error body a record keeps: enough to read the cause, not a page of HTML.
 ERROR_TEXT_LIMIT = 300
 SERVER_ID_LIMIT = 200  # a server-chosen string kept in every record: bounded
+MAX_HISTOGRAM_BINS = 65  # an acceptance histogram has k + 1 bins; no MTP or EAGLE config drafts 64 tokens
 # the most bytes one socket read takes
 _READ_SIZE = 65536
 # kernel receive stamps: a struct timespec per read in the read's ancillary data. Python
@@ -316,6 +317,22 @@ class StreamOutcome:
     saw_done: bool
     error: str | None
     server_request_id: str | None = None
+    acceptance_histogram: tuple[int, ...] | None = None
+    draft_tokens: int | None = None
+
+
+def _spec_decode_of(metrics: Any) -> tuple[tuple[int, ...], int] | None:
+    """(acceptance histogram, draft tokens) of a final chunk's `metrics.speculative_decoding` (vLLM's
+    per-request spec-decode metrics), or None where it is absent or not that shape (never trusted half)."""
+    spec = metrics.get("speculative_decoding") if isinstance(metrics, dict) else None
+    if not isinstance(spec, dict):
+        return None
+    histogram, drafted = spec.get("acceptance_histogram"), spec.get("num_draft_tokens")
+    if not isinstance(histogram, list) or not histogram or len(histogram) > MAX_HISTOGRAM_BINS:
+        return None
+    if not all(type(n) is int and n >= 0 for n in histogram) or type(drafted) is not int or drafted < 0:
+        return None
+    return tuple(histogram), drafted
 
 
 @dataclass(frozen=True)
@@ -366,7 +383,7 @@ class StreamReader:
     output, times the first, and keeps usage, finish reason and errors."""
 
     __slots__ = ("_started_s", "_endpoint", "_decoder", "_template", "ttft_s", "chunks", "usage", "finish_reason",
-                 "saw_done", "error", "events", "bytes", "last_read_s", "server_request_id")
+                 "saw_done", "error", "events", "bytes", "last_read_s", "server_request_id", "spec_decode")
 
     def __init__(self, started_s: float, endpoint: Endpoint) -> None:
         self._started_s = started_s
@@ -386,6 +403,8 @@ class StreamReader:
         # the id the server gave the request (vLLM: "cmpl-" + the X-Request-Id it was sent),
         # from the first chunk, which is always parsed: the key to join with server traces
         self.server_request_id: str | None = None
+        # (acceptance histogram, draft tokens) from the final usage chunk, where the server sends them
+        self.spec_decode: tuple[tuple[int, ...], int] | None = None
 
     def feed(self, read_s: float, data: bytes, end_s: float | None = None) -> None:
         """One read's bytes: `read_s` when they (the first of them) arrived, `end_s` when
@@ -439,6 +458,8 @@ class StreamReader:
         usage = payload.get("usage")
         if usage:
             self.usage = usage
+            if "metrics" in payload:
+                self.spec_decode = _spec_decode_of(payload["metrics"]) or self.spec_decode
         choices = payload.get("choices")
         if not choices:
             return
@@ -479,6 +500,8 @@ class StreamReader:
             saw_done=self.saw_done,
             error=error,
             server_request_id=self.server_request_id,
+            acceptance_histogram=self.spec_decode[0] if self.spec_decode else None,
+            draft_tokens=self.spec_decode[1] if self.spec_decode else None,
         )
 
 
@@ -643,6 +666,8 @@ class OpenAIStreamClient:
             requested_max_tokens=request.max_tokens,
             chunks=outcome.chunks,
             finish_reason=outcome.finish_reason,
+            acceptance_histogram=list(outcome.acceptance_histogram) if outcome.acceptance_histogram else None,
+            draft_tokens=outcome.draft_tokens,
             ok=status == 200 and error is None,
             status=status,
             error=error,

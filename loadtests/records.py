@@ -52,6 +52,12 @@ class RequestRecord(BaseModel):
     requested_max_tokens: int | None = None
     chunks: int = Field(default=0, description="SSE chunks that carried output tokens")
     finish_reason: str | None = None
+    acceptance_histogram: list[int] | None = Field(
+        default=None,
+        description="the server's per-request spec-decode metrics (vLLM --per-request-spec-decode-metrics): its "
+        "verify steps by the number of drafts accepted in each (index 0: none); None where the server sent none",
+    )
+    draft_tokens: int | None = Field(default=None, description="draft tokens the server proposed for this request")
     ok: bool
     status: int = Field(description="HTTP status; 0 when no response arrived")
     error: str | None = None

@@ -29,6 +29,10 @@ def test_command_carries_model_port_and_speculative_config():
     assert "--enforce-eager" in cmd
     assert cmd[-2:] == ["--seed", "7"]
     assert "--tensor-parallel-size" not in cmd
+    # each response carries its own acceptance (the acceptance gate counts the experiment's requests)
+    assert pairs["--per-request-spec-decode-metrics"] == "summary"
+    off = EngineSpec(model="/m", device="cpu", per_request_spec_decode_metrics=False).command(1)
+    assert "--per-request-spec-decode-metrics" not in off
 
 
 def test_gpu_command_has_tensor_parallel_and_trust_remote_code():

@@ -166,6 +166,32 @@ def test_broken_streams_are_errors(events, message):
     assert message in summarise_events(events, 0.0, "completions").error
 
 
+def spec_usage_chunk(completion_tokens, speculative_decoding):
+    return {**usage_chunk(completion_tokens), "metrics": {"speculative_decoding": speculative_decoding}}
+
+
+def test_the_servers_per_request_acceptance_rides_on_the_usage_chunk():
+    # vLLM 0.32 with --per-request-spec-decode-metrics summary: the final usage chunk's metrics
+    spec = {"mean_acceptance_length": 3.25, "draft_acceptance_rate": 0.75, "acceptance_histogram": [0, 1, 0, 3],
+            "num_spec_steps": 4, "num_accepted_draft_tokens": 10, "num_draft_tokens": 12, "num_spec_tokens": 3}
+    events = timed(completion_chunk(" t"), completion_chunk(" t t", "length"), spec_usage_chunk(3, spec), "[DONE]")
+    outcome = summarise_events(events, 0.0, "completions")
+    assert outcome.acceptance_histogram == (0, 1, 0, 3) and outcome.draft_tokens == 12 and outcome.error is None
+
+
+@pytest.mark.parametrize("spec", [
+    None, "text", {"acceptance_histogram": [1, -2], "num_draft_tokens": 3},
+    {"acceptance_histogram": [1, 2.5], "num_draft_tokens": 3}, {"acceptance_histogram": [], "num_draft_tokens": 0},
+    {"acceptance_histogram": [1, 2]}, {"acceptance_histogram": [1] * 70, "num_draft_tokens": 3},
+    {"acceptance_histogram": [True, 2], "num_draft_tokens": 3},
+])
+def test_per_request_acceptance_of_another_shape_is_not_trusted_half(spec):
+    events = timed(completion_chunk(" t", "length"), spec_usage_chunk(1, spec), "[DONE]")
+    outcome = summarise_events(events, 0.0, "completions")
+    assert outcome.acceptance_histogram is None and outcome.draft_tokens is None and outcome.error is None
+    assert outcome.output_tokens == 1
+
+
 def test_no_usage_means_no_token_count():
     outcome = summarise_events(timed(completion_chunk(" a"), completion_chunk(" b"), "[DONE]"), 0.0, "completions")
     assert outcome.output_tokens is None and outcome.chunks == 2 and outcome.error is None
