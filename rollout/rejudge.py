@@ -18,8 +18,10 @@ What the replay knows, and from where:
   summary (requests_per_look, requests_per_arm), else the defaults. When the plan is
   the run's own, the looks fall exactly where the run's fell (its per-look counts);
   otherwise where the boundary rule puts them on the records' clock;
-* acceptance: decision.json's canary spec-decode counters (the phase's final ones, at
-  every look); a bare records file has none, so acceptance is INCONCLUSIVE unless
+* acceptance: the canary's records' own per-request counters up to each look, where
+  they carry them (a run whose servers had --per-request-spec-decode-metrics: the look
+  judged as the run judged it); else decision.json's canary spec-decode counters (the
+  phase's final ones, at every look); else none, so acceptance is INCONCLUSIVE unless
   gates.enabled leaves acceptance_length_floor out;
 * goodput: when the gates set an SLO (``gates.slo``), the goodput gate is judged at
   every look like the others, and ``goodput`` holds each arm's share of the judged
@@ -55,6 +57,7 @@ from rollout.judge.config import GatesConfig
 from rollout.judge.experiment_looks import LookPlan, Replay, replay_looks
 from rollout.judge.goodput import ArmGoodput, goodput_by_arm
 from rollout.judge.names import GATE_PHASES
+from rollout.judge.request_acceptance import spec_decode_of_requests
 from rollout.judge.verdicts import Decision, GateResult, Verdict, decide, is_enabled, missing_gates
 from rollout.result import EXIT_CODES
 
@@ -219,9 +222,10 @@ def load_input(arg: str, run_config: Any | None) -> JudgeInput:
     inp = JudgeInput(label=arg, records=records, gates=gates, plan=plan, canary_spec=None,
                      speculative_canary=speculative, notes=notes)
     if doc is None:
-        if is_enabled("acceptance_length_floor", gates):
-            notes.append("a bare records file has no spec-decode counters: acceptance_length_floor is inconclusive "
-                         "(judge the run directory, or leave it out of gates.enabled)")
+        if is_enabled("acceptance_length_floor", gates) and spec_decode_of_requests(records, CANARY) is None:
+            notes.append("a bare records file whose canary requests carry no per-request spec-decode counters: "
+                         "acceptance_length_floor is inconclusive (judge the run directory, or leave it out of "
+                         "gates.enabled)")
         return inp
     _from_run(inp, doc, path)
     return inp

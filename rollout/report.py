@@ -111,13 +111,22 @@ def _gates(doc: dict[str, Any]) -> list[str]:
 def _spec_decode(doc: dict[str, Any]) -> list[str]:
     if not doc["spec_decode"]:
         return []
-    lines = ["", "## Speculative decoding (server /metrics deltas over the experiment)", ""]
+    sources = {sd.get("counted_from") for sd in doc["spec_decode"].values()}
+    title = ("the experiment's own requests (vLLM per-request metrics), judged looks" if sources == {"requests"}
+             else "server /metrics deltas over the experiment")
+    lines = ["", f"## Speculative decoding ({title})", ""]
     lines += ["| arm | acceptance rate | mean acceptance length | per position | drafts |", "|---|---|---|---|---|"]
     for arm, sd in doc["spec_decode"].items():
         per_pos = ", ".join(f"{p:.3f}" for p in sd["per_position"]) if sd["per_position"] else "n/a"
         lines.append(
             f"| {arm} | {_num(sd['acceptance_rate'])} | {_num(sd['mean_acceptance_length'])} | {per_pos} | {_num(sd['drafts'], 0)} |"
         )
+    for arm, sd in doc["spec_decode"].items():
+        if sd.get("counted_from") == "requests" and sd.get("server_mean_acceptance_length") is not None:
+            lines.append(f"\n{arm}'s server counted {_num(sd['server_drafts'], 0)} verify steps over the phase "
+                         f"(mean acceptance length {_num(sd['server_mean_acceptance_length'])}, every client's).")
+        if sd.get("other_traffic"):
+            lines.append(f"\n**Warning**: {sd['other_traffic']}.")
     for arm, sd in doc["spec_decode"].items():
         if sd.get("expected_length_by_k"):
             by_k = ", ".join(f"k={k}: {_num(v)}" for k, v in sd["expected_length_by_k"].items())

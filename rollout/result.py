@@ -173,6 +173,13 @@ class SpecDecodeSummary(Summary):
     draft_tokens: float | None = None
     accepted_tokens: float | None = None
     expected_length_by_k: dict[str, float] | None = None
+    # whose counters the numbers above are: "requests" (the experiment's own, per request: vLLM's
+    # --per-request-spec-decode-metrics) or "server" (its /metrics deltas, which count any traffic)
+    counted_from: str | None = None
+    server_drafts: float | None = None  # the servers' verify steps over the phase, every client's
+    server_mean_acceptance_length: float | None = None
+    other_traffic_steps: int | None = None  # server steps past the experiment's requests (None: not comparable)
+    other_traffic: str | None = None  # the warning, when other traffic reached the arm
 
 
 class UsageSummary(Summary):

@@ -78,6 +78,10 @@ def test_local_cpu_default_promotes_with_a_full_decision_record(tmp_path):
     assert canary_sd["acceptance_rate"] >= 0.9
     assert len(canary_sd["per_position"]) == 3
     assert canary_sd["mean_acceptance_length"] > 3.5
+    # counted over the experiment's own requests; its server ran no other client's (no warning)
+    assert canary_sd["counted_from"] == doc["spec_decode"]["baseline"]["counted_from"] == "requests"
+    assert canary_sd["other_traffic_steps"] is not None and canary_sd["other_traffic"] is None
+    assert canary_sd["server_mean_acceptance_length"] == pytest.approx(4.0, abs=0.05)
     assert doc["arms"]["canary"]["engine"]["speculative_config"]["num_speculative_tokens"] == 3
     assert doc["timeline"][-1]["canary_weight"] == 100
     assert "same MTP layer" in json.dumps(doc["engine_warnings"]["canary-0"])

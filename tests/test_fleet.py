@@ -31,7 +31,7 @@ import yaml
 
 from cluster.engine_spec import CpuLimits, EngineSpec
 from cluster.fleet import ArmSpec, Fleet, FleetStartError
-from cluster.metrics import kv_stats
+from cluster.metrics import kv_stats, spec_decode_delta
 from cluster.arms import BASELINE, CANARY
 from cluster.router import Router, RouterClient
 from loadtests.datasets import TracePrompts, load_trace
@@ -39,6 +39,7 @@ from loadtests.records import read_records
 from rollout.config import ProgressiveConfig, RolloutStep, parse_config
 from rollout.evals import EvalSpec, evaluate_batch, load_items, outputs_differ
 from rollout.judge.config import GuardConfig
+from rollout.judge.request_acceptance import attribute, spec_decode_of_requests, unseen_steps_bound
 from rollout.judge.verdicts import Decision
 from rollout.phases.accuracy import Accuracy
 from rollout.phases.experiment import Experiment
@@ -347,10 +348,13 @@ def test_vllm_trace_replay_sends_at_the_traces_times_with_its_lengths(tmp_path, 
     trace_path = REPO / "loadtests" / "data" / "traces" / "burstgpt_sample.csv"
     traffic = {**VLLM_TRAFFIC, "dataset": "trace", "dataset_path": str(trace_path), "trace_format": "burstgpt",
                "trace_speedup": 1.0}
+    before = fleet.metrics()
     outcome = run_progressive(h.context(vllm_config([{"canary_weight": 50, "bake_s": 15}]), "tiny", speculative=True,
                                         traffic=traffic, n_workers=0))
+    after = fleet.metrics()
     assert outcome.decision == Decision.PROMOTE, outcome.reason
     records = read_records(tmp_path / "runs" / "vllm-trace" / PHASE / "records.jsonl")
+    check_acceptance_is_attributed_to_the_requests(fleet, records, before, after)
     trace = TracePrompts(load_trace(trace_path, "burstgpt"), seed=VLLM_TRAFFIC["seed"], speedup=1.0)
     completed = [r for r in records if r.ok]
     assert len(completed) > 15 and {r.arm for r in completed} == {BASELINE, CANARY}
@@ -365,6 +369,34 @@ def test_vllm_trace_replay_sends_at_the_traces_times_with_its_lengths(tmp_path, 
     lags = sorted(r.send_lag_s for r in records)
     print(f"trace replay through vLLM: {len(records)} requests, send lag median {lags[len(lags) // 2] * 1000:.1f} ms")
     h.check_records()
+
+
+def check_acceptance_is_attributed_to_the_requests(fleet, records, before, after) -> None:
+    """Every completed request carries the server's own counters for it (--per-request-spec-decode-metrics),
+    whose sums are the server's /metrics deltas but for the steps of requests cut off; other traffic on the
+    canary (a client sampling at temperature 1) is told apart, and the experiment's acceptance kept."""
+    canary_replicas = [r.name for r in fleet.replicas if r.arm == CANARY]
+    for arm, bins in ((BASELINE, 2), (CANARY, 4)):
+        completed = [r for r in records if r.arm == arm and r.ok]
+        assert completed and all(len(r.acceptance_histogram) == bins for r in completed), arm
+        own = spec_decode_of_requests(records, arm)
+        server = spec_decode_delta(before, after, [r.name for r in fleet.replicas if r.arm == arm])
+        unseen = unseen_steps_bound(records, arm, streams=0)  # no request was under way before `before`
+        assert own.drafts <= server.drafts <= own.drafts + unseen, (arm, own, server, unseen)
+        assert not attribute(arm, server, own, unseen).other_traffic
+    own = spec_decode_of_requests(records, CANARY)
+    assert own.mean_acceptance_length == pytest.approx(4.0)  # perfect drafts, greedy
+    canary_url = fleet.urls()[CANARY][0]
+    for seed in range(6):  # someone else's client on the canary, sampling as the OpenAI client does by default
+        requests.post(f"{canary_url}/v1/completions", timeout=120, json={
+            "model": "tiny", "prompt": f"other traffic {seed}", "max_tokens": 24, "temperature": 1.0, "seed": seed,
+        }).raise_for_status()
+    mixed = spec_decode_delta(before, fleet.metrics(), canary_replicas)
+    who = attribute(CANARY, mixed, own, unseen_steps_bound(records, CANARY, streams=0))
+    assert who.counted_from == "requests" and who.other_traffic and who.other_steps > 0
+    assert mixed.mean_acceptance_length < own.mean_acceptance_length
+    print(f"acceptance: the experiment's requests {own.mean_acceptance_length:.2f}, the canary's server "
+          f"{mixed.mean_acceptance_length:.2f} with other traffic: {who.note()}")
 
 
 def test_vllm_canary_killed_mid_step_is_aborted_within_one_window(tmp_path, router, fleet):

@@ -134,6 +134,24 @@ def test_a_bare_records_file_cannot_pass_acceptance_or_the_missing_accuracy_gate
     assert any("spec-decode" in note for note in out["notes"])
 
 
+def test_records_with_their_own_acceptance_are_judged_on_it_look_by_look(tmp_path, capsys):
+    """Records of servers with --per-request-spec-decode-metrics carry each request's verify steps: a bare
+    records file then judges the acceptance floor on them (passing for good drafts, failing for bad ones)."""
+    rng = np.random.default_rng(4)
+    config = run_config(tmp_path, ["tpot_p50_improvement", "acceptance_length_floor"])
+    for histogram, verdict in (([0, 0, 0, 8], "pass"), ([6, 2, 0, 0], "fail")):
+        path = write_records(tmp_path / "r.jsonl", {"baseline": rng.lognormal(np.log(0.03), 0.1, 400),
+                                                    "canary": rng.lognormal(np.log(0.02), 0.1, 400)})
+        rows = [json.loads(line) for line in path.read_text().splitlines()]
+        for row in rows:
+            if row["arm"] == "canary" and row["ok"]:
+                row.update(acceptance_histogram=histogram, draft_tokens=3 * sum(histogram))
+        path.write_text("".join(json.dumps(row) + "\n" for row in rows))
+        code, [out] = judged(capsys, str(path), "--config", str(config))
+        assert {g["name"]: g["verdict"] for g in out["gates"]}["acceptance_length_floor"] == verdict, out
+        assert not any("spec-decode" in note for note in out["notes"])
+
+
 def test_the_cli_routes_judge_and_prints_a_table(capsys):
     code = cli.main(["judge", str(REAL_RUN)])
     out = capsys.readouterr().out

@@ -57,11 +57,22 @@ def key_paths(value, prefix: str = "") -> set[str]:
 # experiment fields added since the runs were recorded, with their defaults: a run today writes them
 ADDED_CPU_FIELDS = {"worker_process": False}
 ADDED_EXPERIMENT_FIELDS = {"arm_users": False, "warmup_requests_per_arm": 0, "warmup_requests": {}}
+# whose acceptance each arm's spec_decode is (rollout.judge.request_acceptance), unknown in the recorded runs
+ADDED_SPEC_DECODE_FIELDS = {"counted_from": None, "server_drafts": None, "server_mean_acceptance_length": None,
+                            "other_traffic_steps": None, "other_traffic": None}
+ADDED_ENGINE_FIELDS = {"per_request_spec_decode_metrics": True}
 # what preflight records since of each replica's server (rollout.engine_parity.EngineRun)
 ADDED_SERVER_FIELDS = {"vllm_version": None, "non_default_args": {}, "unparsed": None}
 # what the experiment records since of each arm's KV cache (arms.<arm>.kv)
 ADDED_KV_FIELDS = KvCacheStats().to_dict()
 
+
+
+def with_added_spec_decode_fields(doc: dict) -> dict:
+    for summary in (doc.get("spec_decode") or {}).values():
+        for key, default in ADDED_SPEC_DECODE_FIELDS.items():
+            summary.setdefault(key, default)
+    return doc
 
 
 def recorded_document(run: str) -> dict:
@@ -80,7 +91,11 @@ def recorded_document(run: str) -> dict:
             advice = depth_advice_of(doc)
             if advice is not None:
                 doc["experiment"]["depth_advice"] = advice
+    with_added_spec_decode_fields(doc)
     for record in doc.get("arms", {}).values():  # engine fields added since, at their defaults
+        if "engine" in record:
+            record["engine"] = {**record["engine"], **{
+                k: v for k, v in ADDED_ENGINE_FIELDS.items() if k not in record["engine"]}}
         if "cpu" in record.get("engine", {}):
             record["engine"]["cpu"] = {**record["engine"]["cpu"], **{
                 k: v for k, v in ADDED_CPU_FIELDS.items() if k not in record["engine"]["cpu"]}}
@@ -153,6 +168,7 @@ def test_a_recorded_decision_document_survives_the_typed_result(run):
     for row in (doc["experiment"] or {}).get("sweep") or []:  # and each sweep level's goodput (null: no SLO)
         for arm in row["arms"].values():
             arm.setdefault("goodput", None)
+    with_added_spec_decode_fields(doc)  # and whose acceptance it is
     result = RunResult.from_document(doc, config_of(doc), Path("/tmp") / run)
     # typed, not dicts: a phase that changes a shape fails here, not in a user's pipeline
     assert result.decision is None or isinstance(result.decision, Decision)

@@ -52,6 +52,7 @@ from rollout.judge.latency import LatencySamples, judge_latency, latency_samples
 from rollout.judge.sample_ratio import judge_sample_ratio
 from rollout.judge.names import GOODPUT_NAME, OBJECTIVE_NAME, PREFIX_CACHE_NAME, TWIN_ARM
 from rollout.judge.prefix_cache import PrefixCacheLooks, judge_prefix_cache
+from rollout.judge.request_acceptance import spec_decode_of_requests
 from rollout.judge.noise_floor import NoiseFloor, apply_noise_floor, judge_noise_floor
 from rollout.judge.verdicts import GateResult, Verdict, is_enabled, is_final
 
@@ -353,8 +354,9 @@ def replay_looks(
 
     With ``stored_counts`` (the run's per-look completed requests, from decision.json)
     the looks fall exactly where the run's did; without, where the boundary rule puts
-    them on the records' own clock. The spec-decode counters are the phase's final
-    ones at every look (per-look counters are not stored). Records after the last
+    them on the records' own clock. The spec-decode counters: the canary's requests'
+    own up to each look where they carry them (as the run counted), else ``canary_spec``
+    (the phase's final ones) at every look. Records after the last
     look are not judged, as in the run; nor are a warm-up's (``warmup_end``): the looks
     begin after it, and ``judged_records`` counts from the warm-up's end.
     """
@@ -372,7 +374,9 @@ def replay_looks(
         look_records = records[start:end]
         looks_of += [look] * len(look_records)
         fractions.append(next_information(fractions, plan.information(requests_by_arm(records[:end], plan.arms))))
-        gates = judge_look(records[:end], looks_of, fractions, cfg, plan, canary_spec, speculative_canary)
+        # the canary's own requests' counters up to this look where they carry them, as the run counted
+        look_spec = spec_decode_of_requests(records[:end], CANARY) or canary_spec
+        gates = judge_look(records[:end], looks_of, fractions, cfg, plan, look_spec, speculative_canary)
         replay.looks.append(Look(look, round(fractions[-1], 4), requests_by_arm(look_records, plan.arms), gates))
         start = end
         reason = stop_after(look, fractions, plan, gates, cfg)

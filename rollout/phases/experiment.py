@@ -107,7 +107,16 @@ class Experiment:
             expected = None
             if k > 1 and stats.per_position_rate:
                 expected = {str(kk): stats.expected_length_for_k(kk) for kk in range(1, k + 1)}
-            ctx.result.spec_decode[arm] = SpecDecodeSummary(**stats.to_dict(), expected_length_by_k=expected)
+            who = outcome.attribution.get(arm)
+            server = who.server if who is not None else None
+            ctx.result.spec_decode[arm] = SpecDecodeSummary(
+                **stats.to_dict(), expected_length_by_k=expected,
+                counted_from=who.counted_from if who is not None else None,
+                server_drafts=server.drafts if server is not None else None,
+                server_mean_acceptance_length=server.mean_acceptance_length if server is not None else None,
+                other_traffic_steps=who.other_steps if who is not None else None,
+                other_traffic=who.note() if who is not None else None,
+            )
         ctx.result.experiment = ExperimentSummary(
             **outcome.summary,
             latency_ms={arm: latency_summary(records, arm) for arm in arms},

@@ -55,6 +55,12 @@ from rollout.judge.experiment_looks import (
 )
 from rollout.judge.noise_floor import NoiseFloor
 from rollout.judge.prefix_cache import PrefixCacheLooks
+from rollout.judge.request_acceptance import (
+    AcceptanceAttribution,
+    attribute,
+    spec_decode_of_requests,
+    unseen_steps_bound,
+)
 from rollout.judge.verdicts import GateResult
 from rollout.phases.replica_watch import ReplicaWatch
 from rollout.store import RunStore
@@ -122,6 +128,8 @@ class ExperimentOutcome:
     noise_floor: NoiseFloor | None = None  # the last look's A/A ratio twin / baseline (twin_baseline only)
     warmup_records: list[RequestRecord] = field(default_factory=list)  # before `records`: stored, never judged
     looks_of: list[int] = field(default_factory=list)  # the look each of `records` arrived in (the last: after the last look)
+    # per arm: whose counters the acceptance is (the requests' own or the server's), and what the server counted beside
+    attribution: dict[str, AcceptanceAttribution] = field(default_factory=dict)
 
 
 class ExperimentPhase:
@@ -137,7 +145,7 @@ class ExperimentPhase:
         self.look_summaries: list[dict[str, Any]] = []
         self.gates: list[GateResult] = []
         self.noise_floor: NoiseFloor | None = None
-        self.spec_delta: dict[str, SpecDecodeStats] = {}
+        self.spec_delta: dict[str, SpecDecodeStats] = {}  # per arm, as the acceptance gate counts it
         # each arm's prefix-cache (hits, queries) since the phase began, read at every look (None: unknown)
         self.prefix_counters: dict[str, list[tuple[float, float] | None]] = {BASELINE: [], CANARY: []}
         self.unscraped: set[str] = set()
@@ -211,6 +219,7 @@ class ExperimentPhase:
         stopped_at = time.time()
         result = load.finish()
         tail = self._store_rest(load)
+        attribution = self._attribution()
         judged_end = self._last_look_wall or stopped_at
         summary = self._summary(result, router_before, started, load.started_at, judged_end, tail)
         ctx.event("done", ", ".join(f"{g.name}={g.verdict.value}" for g in self.gates))
@@ -224,6 +233,7 @@ class ExperimentPhase:
             noise_floor=self.noise_floor,
             warmup_records=self.warmup or [],
             looks_of=self.looks_of,
+            attribution=attribution,
         )
 
     # -- the warm-up -----------------------------------------------------------
@@ -261,7 +271,7 @@ class ExperimentPhase:
         self.looks_of += [look] * len(look_records)
         self._last_look_wall = time.time()
         self._scrape_acceptance()
-        canary_spec = None if CANARY in self.unscraped else self.spec_delta.get(CANARY, SpecDecodeStats())
+        canary_spec = self.spec_delta.get(CANARY) or (None if CANARY in self.unscraped else SpecDecodeStats())
         self.gates, self.noise_floor = judge_look_with_floor(
             self.records, self.looks_of, self.fractions, ctx.gates, plan, canary_spec, ctx.speculative_canary,
             prefix_cache=PrefixCacheLooks(baseline=self.prefix_counters[BASELINE], canary=self.prefix_counters[CANARY]),
@@ -292,24 +302,46 @@ class ExperimentPhase:
             self.say(f"verdict reached at look {look} of {plan.planned_looks}, stopping early")
         return stop is not None
 
+    def _counted_arms(self) -> list[str]:
+        return [arm for arm in dict.fromkeys(self.ctx.replica_arms.values()) if arm != TWIN]
+
     def _scrape_acceptance(self) -> None:
-        """Spec-decode counters since the phase began, per arm; a replica not scraped (or restarted)
-        makes its arm's acceptance unknown, not zero, for the rest of the phase."""
+        """Spec-decode counters since the phase began, per arm: the judged requests' own where every one
+        carries them (rollout.judge.request_acceptance), else the servers' /metrics deltas; a replica not
+        scraped (or restarted) then makes its arm's acceptance unknown, not zero, for the rest of the phase."""
         after = self.ctx.scrape()
         totals: dict[str, SpecDecodeStats] = {}
-        arms = [arm for arm in dict.fromkeys(self.ctx.replica_arms.values()) if arm != TWIN]
-        for arm in arms:
+        for arm in self._counted_arms():
             replicas = [name for name, a in self.ctx.replica_arms.items() if a == arm]
             delta = spec_decode_delta(self.metrics_start, after, replicas)
+            own = spec_decode_of_requests(self.records, arm)
             if delta is None:
                 self.unscraped.add(arm)
-            else:
+            if own is not None:
+                totals[arm] = own
+            elif arm not in self.unscraped and delta is not None:
                 totals[arm] = delta
             if arm in self.prefix_counters:
                 kv = kv_stats([self.metrics_start, after], replicas)
                 known = kv.prefix_cache_hits is not None and kv.prefix_cache_queries is not None
                 self.prefix_counters[arm].append((kv.prefix_cache_hits, kv.prefix_cache_queries) if known else None)
         self.spec_delta = totals
+
+    def _attribution(self) -> dict[str, AcceptanceAttribution]:
+        """After the load: each arm's servers' counters over the phase against its requests' own, every
+        record in (a server with more verify steps than the experiment's requests is serving someone else)."""
+        after = self.ctx.scrape()
+        streams = self.ctx.swarm_spec.users
+        out: dict[str, AcceptanceAttribution] = {}
+        for arm in self._counted_arms():
+            replicas = [name for name, a in self.ctx.replica_arms.items() if a == arm]
+            server = None if arm in self.unscraped else spec_decode_delta(self.metrics_start, after, replicas)
+            own = spec_decode_of_requests(self.records, arm)
+            out[arm] = attribute(arm, server, own, unseen_steps_bound(self.records, arm, streams))
+            note = out[arm].note()
+            if note is not None:
+                self.say(f"WARNING: {note}")
+        return out
 
     def _capped_reason(self, totals: dict[str, int]) -> str:
         plan = self.plan

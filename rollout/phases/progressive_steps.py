@@ -30,6 +30,7 @@ from loadtests.records import RecordsTail, RequestRecord
 from loadtests.swarm import SwarmSpec
 from rollout.config import RolloutStep
 from rollout.judge.guards import enabled_guard_names
+from rollout.judge.request_acceptance import spec_decode_of_requests
 from rollout.judge.verdicts import Decision, GateResult, Verdict
 from rollout.phases.progressive_context import ProgressiveContext, ProgressiveOutcome
 from rollout.phases.progressive_windows import PHASE, SHIP_GRACE_S, TICK_S, Abort, WindowRunner
@@ -126,7 +127,7 @@ class StepRunner:
             window = windows.new_window(i, step.canary_weight)
             windows.run_window(window)
             step_records += window.records
-        step_spec = windows.canary_delta(spec_before, windows.metrics_before)
+        step_spec = spec_decode_of_requests(step_records, CANARY) or windows.canary_delta(spec_before, windows.metrics_before)
         pooled = windows.judge(step_records, step_spec, 1, 1, judged=True)
         ctx.store.put_phase_result(
             ctx.run_id,

@@ -37,6 +37,7 @@ from cluster.metrics import MetricsSnapshot, SpecDecodeStats, spec_decode_delta
 from loadtests.records import RecordsTail, RequestRecord
 from loadtests.swarm import SwarmError
 from rollout.judge.guards import judge_guard_window
+from rollout.judge.request_acceptance import spec_decode_of_requests
 from rollout.judge.verdicts import GateResult, Verdict
 from rollout.phases.progressive_context import ProgressiveContext
 from rollout.resume import PROGRESSIVE as PHASE
@@ -196,6 +197,8 @@ class WindowRunner:
             after = self.scrape()
             spec_delta = self.canary_delta(self.metrics_before, after)
             self.metrics_before = after
+        # the window's own canary requests' counters where they carry them (rollout.judge.request_acceptance)
+        spec_delta = spec_decode_of_requests(window.records, CANARY) or spec_delta
         gates = self.judge(window.records, spec_delta, self.looks, self.looks)
         self.commit(window, gates, close, early, command)
         self.baseline_history = (self.baseline_history + [r for r in window.records if r.arm == BASELINE])[
