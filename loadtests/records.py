@@ -67,6 +67,11 @@ class RequestRecord(BaseModel):
     )
 
     @property
+    def served_arm(self) -> str | None:
+        """The arm that served the request (the one it was pinned to when the response did not say)."""
+        return self.arm if self.arm is not None else self.pinned_arm
+
+    @property
     def tpot_s(self) -> float | None:
         """Time per output token after the first, from the server's token count.
 

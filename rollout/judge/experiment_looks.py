@@ -136,7 +136,7 @@ class LookPlan:
 # -- the records ----------------------------------------------------------------------
 def record_arm(record: RequestRecord) -> str | None:
     """The arm that served the request (the one it was pinned to when the response did not say)."""
-    return record.arm if record.arm is not None else record.pinned_arm
+    return record.served_arm
 
 
 def completed(records: Sequence[RequestRecord], arm: str) -> int:

@@ -107,7 +107,7 @@ class LatencySamples:
 
 def _record_arm(record: RequestRecord) -> str | None:
     # the controller's rule: the arm that answered, else the one it was pinned to
-    return record.arm if record.arm is not None else record.pinned_arm
+    return record.served_arm
 
 
 def latency_samples_from_records(records: Sequence[RequestRecord], looks_of: Sequence[int], arm: str) -> LatencySamples:

@@ -36,16 +36,12 @@ __all__ = ["AcceptanceAttribution", "attribute", "spec_decode_of_requests", "uns
 OTHER_TRAFFIC_SHARE = 0.02
 
 
-def _arm_of(record: RequestRecord) -> str | None:
-    return record.arm or record.pinned_arm
-
-
 def spec_decode_of_requests(records: Sequence[RequestRecord], arm: str) -> SpecDecodeStats | None:
     """The arm's spec-decode counters summed over its completed requests' own (None where one lacks them)."""
     histograms: list[list[int]] = []
     drafted = 0
     for record in records:
-        if _arm_of(record) != arm or not record.ok or record.cancelled:
+        if record.served_arm != arm or not record.ok or record.cancelled:
             continue
         if record.acceptance_histogram is None or record.draft_tokens is None:
             return None
@@ -72,8 +68,8 @@ def unseen_steps_bound(records: Sequence[RequestRecord], arm: str, streams: int)
     """How many verify steps of the experiment's own the server may count that no whole record carries:
     every cut-off request (its record has no counters) and one request per stream begun before the
     counters started, each at most one step per requested token."""
-    cut_off = [r for r in records if _arm_of(r) == arm and (r.cancelled or not r.ok)]
-    longest = max((r.requested_max_tokens or 0 for r in records if _arm_of(r) == arm), default=0)
+    cut_off = [r for r in records if r.served_arm == arm and (r.cancelled or not r.ok)]
+    longest = max((r.requested_max_tokens or 0 for r in records if r.served_arm == arm), default=0)
     return (len(cut_off) + max(streams, 0)) * longest
 
 

@@ -305,6 +305,9 @@ class ExperimentPhase:
     def _counted_arms(self) -> list[str]:
         return [arm for arm in dict.fromkeys(self.ctx.replica_arms.values()) if arm != TWIN]
 
+    def _replicas_of(self, arm: str) -> list[str]:
+        return [name for name, a in self.ctx.replica_arms.items() if a == arm]
+
     def _scrape_acceptance(self) -> None:
         """Spec-decode counters since the phase began, per arm: the judged requests' own where every one
         carries them (rollout.judge.request_acceptance), else the servers' /metrics deltas; a replica not
@@ -312,7 +315,7 @@ class ExperimentPhase:
         after = self.ctx.scrape()
         totals: dict[str, SpecDecodeStats] = {}
         for arm in self._counted_arms():
-            replicas = [name for name, a in self.ctx.replica_arms.items() if a == arm]
+            replicas = self._replicas_of(arm)
             delta = spec_decode_delta(self.metrics_start, after, replicas)
             own = spec_decode_of_requests(self.records, arm)
             if delta is None:
@@ -334,7 +337,7 @@ class ExperimentPhase:
         streams = self.ctx.swarm_spec.users
         out: dict[str, AcceptanceAttribution] = {}
         for arm in self._counted_arms():
-            replicas = [name for name, a in self.ctx.replica_arms.items() if a == arm]
+            replicas = self._replicas_of(arm)
             server = None if arm in self.unscraped else spec_decode_delta(self.metrics_start, after, replicas)
             own = spec_decode_of_requests(self.records, arm)
             out[arm] = attribute(arm, server, own, unseen_steps_bound(self.records, arm, streams))
