@@ -59,6 +59,12 @@ class RouterLimits(BaseModel):
     upstream_idle_timeout_s: float = Field(
         60.0, gt=0, description="silence between two chunks of a replica's answer; then the client's stream is cut"
     )
+    upstream_keepalive_s: float = Field(
+        2.0, gt=0,
+        description="an idle pooled connection to a replica is closed after this; keep it below the replicas' own "
+        "keep-alive (vLLM: 5 s, VLLM_HTTP_TIMEOUT_KEEP_ALIVE), or a request can go out on a connection the replica "
+        "is closing and fail unanswered (ServerDisconnectedError)",
+    )
     auth_token_env: str = Field(
         DEFAULT_TOKEN_ENV, min_length=1,
         description="environment variable holding the shared token: when set, every request needs "

@@ -124,7 +124,11 @@ class Forwarder:
             self._not_forwarded = _REQUEST_HEADERS_NOT_FORWARDED | {"authorization"}
         # Without limit=0 aiohttp caps the pool at 100 connections and would
         # silently queue the 101st concurrent stream inside the router.
-        connector = aiohttp.TCPConnector(limit=0, limit_per_host=0)
+        # keepalive_timeout: aiohttp's default keeps an idle connection 15 s, but vLLM's
+        # server (uvicorn) closes it after 5 s; a request sent on it as the replica closes
+        # it fails unanswered ("Server disconnected"), three in a row eject the replica.
+        # Seen in CI at the experiment's start, right after the accuracy phase's pause.
+        connector = aiohttp.TCPConnector(limit=0, limit_per_host=0, keepalive_timeout=limits.upstream_keepalive_s)
         self._session = aiohttp.ClientSession(
             connector=connector,
             # sock_read bounds the wait for the answer's headers, and from

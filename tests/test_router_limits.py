@@ -337,6 +337,41 @@ def test_an_upstream_that_accepts_no_connection_gets_504_after_the_connect_timeo
             sock.close()
 
 
+def test_an_idle_pooled_connection_is_closed_before_the_replica_closes_it(harness: Harness) -> None:
+    """vLLM's server closes an idle keep-alive connection after 5 s, aiohttp's pool keeps one 15 s: a request
+    sent on it as the replica closes it failed unanswered ("Server disconnected"), and three in a row ejected
+    a replica in CI. Here the replica's keep-alive is 0.3 s and requests come ~0.3 s apart, right at the
+    moment it closes (with a pool keep-alive of 15 s, 4 of 40 such requests failed); the router's pool
+    drops a connection after upstream_keepalive_s, so every request goes out on a fresh one and succeeds."""
+    peer_ports: list[int] = []
+
+    async def answer(request: web.Request) -> web.Response:
+        peer_ports.append(request.transport.get_extra_info("peername")[1])
+        await request.read()
+        return web.json_response({"choices": []})
+
+    async def brief_keepalive_upstream() -> str:
+        app = web.Application()
+        app.router.add_route("*", "/v1/{tail:.*}", answer)
+        runner = web.AppRunner(app, access_log=None, shutdown_timeout=0.1, keepalive_timeout=0.3)
+        await runner.setup()
+        listening = socket.create_server(("127.0.0.1", 0))
+        await web.SockSite(runner, listening).start()
+        harness.upstreams._runners.append(runner)
+        return f"http://127.0.0.1:{listening.getsockname()[1]}"
+
+    upstream = harness.run(brief_keepalive_upstream())
+    server, url = harness.router({"baseline": [upstream]}, limits=RouterLimits(upstream_keepalive_s=0.1))
+    with requests.Session() as http:
+        statuses = []
+        for i in range(24):
+            statuses.append(_complete(url, http).status_code)
+            time.sleep(0.3 + (i % 8) * 0.002 - 0.006)
+    assert statuses == [200] * 24
+    assert harness.state(server)["arm_counts"]["baseline"]["errors"] == 0
+    assert len(set(peer_ports)) == 24  # none reused past the router's keep-alive
+
+
 def test_an_upstream_silent_mid_stream_has_the_client_stream_cut(harness: Harness) -> None:
     server, url = harness.router(
         {"baseline": [harness.upstreams.stalling]}, limits=RouterLimits(upstream_idle_timeout_s=0.5)
