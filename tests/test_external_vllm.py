@@ -1,7 +1,11 @@
 """`mtp-canary run` against two real vLLM servers the tool did not start (`endpoints:`), with a
 weight hook: the judgement and the weight steps as for a fleet it starts, and the servers left
 running. The servers are started here, by the test, as an operator's platform would: plain
-processes, each bound to a core of its own, nothing of Ray or the run around them."""
+processes, each bound to a core of its own, nothing of Ray or the run around them.
+
+The same two servers then take a trace replay judged by the goodput and prefix-cache gates: what
+that run judges (open-loop send times, the SLO, both arms' cache counters) does not depend on who
+started the servers, and a vLLM start is the suite's dearest step on a slow machine."""
 
 from __future__ import annotations
 
@@ -136,3 +140,42 @@ def test_servers_started_elsewhere_are_judged_stepped_through_the_hook_and_left_
     assert [json.loads(line)[0] for line in failing_log.read_text().splitlines()] == ["10", "0"]
     assert doc["timeline"][-1]["canary_weight"] == 0
     assert all(requests.get(url + "/health", timeout=10).status_code == 200 for url in outside_servers.values())
+
+
+def test_a_trace_replay_with_an_slo_and_the_prefix_cache_gate_reaches_a_decision(outside_servers, tiny_model_dir,
+                                                                                  tmp_path):
+    """The shipped sample trace (bursty; sessions whose turns extend each other; groups sharing a
+    prefix) replayed at a quarter speed (~0.5 requests/s per arm: its ~300-token prompts take seconds to
+    prefill on one CPU core) on both arms, judged by the guards only: every arm's goodput and
+    prefix-cache hit rate in decision.json, the prefix-cache gate judged on both arms' counters (the
+    servers' /metrics: deltas over the run, whatever they served before)."""
+    runs = tmp_path / "runs"
+    data = yaml.safe_load((REPO / "configs" / "local-cpu.yaml").read_text())
+    outside = external_config(outside_servers, tiny_model_dir, tmp_path / "no-hook.jsonl")
+    data["baseline"], data["canary"] = outside["baseline"], outside["canary"]
+    data["accuracy"]["enabled"] = False
+    data["experiment"].update(
+        dataset="trace", dataset_path="loadtests/data/traces/sample.jsonl", trace_speedup=0.25, users_per_replica=4,
+        requests_per_look=20, requests_per_arm=120, max_duration_s=900,
+    )
+    data["experiment"].pop("sweep")
+    data["gates"].update(slo={"ttft_s": 30.0, "e2e_s": 120.0}, goodput_max_decrease=0.1, prefix_cache_max_drop=0.2,
+                         enabled=["error_rate_guard", "goodput_guard", "prefix_cache_guard", "sample_ratio"])
+    config = tmp_path / "trace.yaml"
+    config.write_text(yaml.safe_dump(data))
+    proc = run_cli("run", str(config), "--runs-dir", str(runs), "--run-id", "trace")
+    print(proc.stdout[-6000:], proc.stderr[-3000:])
+    doc = decision_of(runs, "trace")
+    assert doc["decision"] == "promote", (doc["reason"], proc.stdout[-3000:])
+    gates = {g["name"]: g for g in doc["gates"]}
+    prefix = gates["prefix_cache_guard"]
+    assert prefix["verdict"] == "pass" and prefix["n_baseline"] > 10_000 and prefix["n_canary"] > 10_000, prefix
+    for arm in ("baseline", "canary"):
+        kv = doc["arms"][arm]["kv"]
+        assert kv["prefix_cache_hit_rate"] > 0.05, kv  # shared prefixes and sessions: hits on both arms
+        assert doc["experiment"]["goodput"][arm]["share"] > 0.9
+    records = [json.loads(line) for line in (runs / "trace" / "experiment" / "records.jsonl").read_text().splitlines()]
+    # open loop at the trace's times: every request had its due time, and left at or after it
+    assert records and all(r["scheduled_at"] is not None and r["sent_at"] >= r["scheduled_at"] - 1e-3 for r in records)
+    print(f"trace replay: prefix-cache hit rate baseline {prefix['baseline']:.3f} canary {prefix['canary']:.3f}, "
+          f"send lag p99 {doc['experiment']['generator_send_lag_p99_ms']} ms")
