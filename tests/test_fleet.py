@@ -338,7 +338,11 @@ def test_vllm_shared_prefix_groups_hit_both_arms_prefix_caches(tmp_path, router,
     for arm in (BASELINE, CANARY):
         stats = kv_stats([before, after], [r.name for r in fleet.replicas if r.arm == arm])
         assert stats.prefix_cache_queries > 2000, (arm, stats)  # several ~450-token prompts each
-        assert stats.prefix_cache_hit_rate > 0.5, (arm, stats)
+        # How many prompts a 15 s bake sends depends on the machine; what holds on any: at most one cold
+        # prompt per group (2), and every later one hits >= 2 of its ~4 blocks (this hybrid model hits
+        # whole blocks short of the last full one). With >= 4 prompts that is >= 1/4 of the queried
+        # tokens (0.43 seen at a quarter speed with ~8 prompts, 0.5-0.6 unslowed); no cache gives 0.
+        assert stats.prefix_cache_hit_rate > 0.25, (arm, stats)
     h.check_records()
 
 
