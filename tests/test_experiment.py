@@ -148,7 +148,9 @@ def test_the_wall_clock_cap_ends_the_phase_with_the_counts_in_the_reason(local_r
     judged = {arm: sum(look["requests"][arm] for look in outcome.summary["looks"]) for arm in ("baseline", "canary")}
     assert f"baseline {judged['baseline']}, canary {judged['canary']} completed requests" in reason
     assert outcome.summary["information"] < 1.0
-    assert verdicts(outcome)["tpot_p50_improvement"] != Verdict.PASS
+    # at a quarter speed the cap can come before the first look of 100: then no gate was judged at all
+    # (KeyError seen under benchmarks/slowed.sh 0.5); either way the objective did not pass
+    assert verdicts(outcome).get("tpot_p50_improvement") != Verdict.PASS
 
 
 def test_a_replica_that_dies_mid_phase_ends_it_as_an_error_naming_it_with_its_records_kept(local_ray, tmp_path):
