@@ -100,9 +100,9 @@ class Upstreams:
         self._held: list[asyncio.StreamWriter] = []
 
     async def start(self) -> None:
-        self.live = await self._serve(self._live)
-        self.failing = await self._serve(self._failing)
-        self.stalling = await self._serve(self._stalling)
+        self.live = await self.serve(self._live)
+        self.failing = await self.serve(self._failing)
+        self.stalling = await self.serve(self._stalling)
         self._silent_server = await asyncio.start_server(self._never_answer, "127.0.0.1", 0)
         self.silent = f"http://127.0.0.1:{self._silent_server.sockets[0].getsockname()[1]}"
 
@@ -114,10 +114,11 @@ class Upstreams:
         for runner in self._runners:
             await runner.cleanup()
 
-    async def _serve(self, handler: Any) -> str:
+    async def serve(self, handler: Any, keepalive_timeout: float = 3630.0) -> str:
+        """`handler` on /v1/... at a new 127.0.0.1 port (aiohttp's own keep-alive unless given); its URL."""
         app = web.Application()
         app.router.add_route("*", "/v1/{tail:.*}", handler)
-        runner = web.AppRunner(app, access_log=None, shutdown_timeout=0.1)
+        runner = web.AppRunner(app, access_log=None, shutdown_timeout=0.1, keepalive_timeout=keepalive_timeout)
         await runner.setup()
         listening = socket.create_server(("127.0.0.1", 0))
         await web.SockSite(runner, listening).start()
@@ -350,17 +351,7 @@ def test_an_idle_pooled_connection_is_closed_before_the_replica_closes_it(harnes
         await request.read()
         return web.json_response({"choices": []})
 
-    async def brief_keepalive_upstream() -> str:
-        app = web.Application()
-        app.router.add_route("*", "/v1/{tail:.*}", answer)
-        runner = web.AppRunner(app, access_log=None, shutdown_timeout=0.1, keepalive_timeout=0.3)
-        await runner.setup()
-        listening = socket.create_server(("127.0.0.1", 0))
-        await web.SockSite(runner, listening).start()
-        harness.upstreams._runners.append(runner)
-        return f"http://127.0.0.1:{listening.getsockname()[1]}"
-
-    upstream = harness.run(brief_keepalive_upstream())
+    upstream = harness.run(harness.upstreams.serve(answer, keepalive_timeout=0.3))
     server, url = harness.router({"baseline": [upstream]}, limits=RouterLimits(upstream_keepalive_s=0.1))
     with requests.Session() as http:
         statuses = []
