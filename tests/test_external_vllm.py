@@ -70,7 +70,18 @@ def outside_servers(tiny_model_dir, tiny_dtype, tmp_path_factory):
                 os.killpg(p.pid, 9)
 
 
-def external_config(urls: dict, model_dir, hook_log, exit_code: int = 0, accuracy: bool = True) -> dict:
+# The judged experiment of the first outside run: shared-prefix groups (the prefix-cache workload) with a
+# per-request SLO, reported per arm as goodput. No experiment gate is enabled (gates.enabled names the accuracy
+# gates), so the phase stops at its first look: what it shows is the workload and its goodput on the outside servers.
+SHARED_PREFIX_EXPERIMENT = {
+    "enabled": True, "dataset": "shared_prefix", "prefix_groups": 2, "prefix_tokens": 300, "input_tokens": "8",
+    "max_tokens": 16, "requests_per_look": 20, "requests_per_arm": 40, "window_s": 5, "max_duration_s": 300,
+    "users_per_replica": 2,
+}
+
+
+def external_config(urls: dict, model_dir, hook_log, exit_code: int = 0, accuracy: bool = True,
+                    experiment: dict | None = None) -> dict:
     arm = lambda name, k: {"endpoints": [urls[name]], "engine": {  # noqa: E731
         "model": str(model_dir), "served_model_name": SERVED, "device": "cpu", "max_model_len": 1024,
         "speculative_config": {"method": "mtp", "num_speculative_tokens": k}}}
@@ -82,12 +93,13 @@ def external_config(urls: dict, model_dir, hook_log, exit_code: int = 0, accurac
         "canary": arm("canary", 3),
         "accuracy": {"enabled": accuracy, "kind": "golden", "path": str(model_dir / "golden.jsonl"), "limit": 64,
                      "batch_size": 32, "concurrency": 4},
-        "experiment": {"enabled": False},
+        "experiment": experiment or {"enabled": False},
         "progressive": {"enabled": True, "users": 2, "steps": [
             {"canary_weight": 10, "bake_s": 10}, {"canary_weight": 50, "bake_s": 10}, {"canary_weight": 100, "bake_s": 10}],
             "guards": {"window_s": 10, "error_rate_max_increase": 0.05, "ttft_p95_max_s": 10.0, "tpot_p95_max_s": 2.0,
                        "min_acceptance_length": 1.5}},
-        "gates": {"enabled": ["accuracy_noninferiority", "output_divergence"], "accuracy_margin": 0.05},
+        "gates": {"enabled": ["accuracy_noninferiority", "output_divergence"], "accuracy_margin": 0.05,
+                  "slo": {"ttft_s": 30.0, "e2e_s": 120.0}},  # bounds the slowest machine meets: goodput ~1 per arm
         "weight_hook": {"command": [sys.executable, "-c", hook, str(hook_log), str(exit_code)], "timeout_s": 30},
     }
 
@@ -102,7 +114,8 @@ def test_servers_started_elsewhere_are_judged_stepped_through_the_hook_and_left_
                                                                                         tmp_path):
     runs, hook_log = tmp_path / "runs", tmp_path / "weights.jsonl"
     config = tmp_path / "external.yaml"
-    config.write_text(yaml.safe_dump(external_config(outside_servers, tiny_model_dir, hook_log)))
+    config.write_text(yaml.safe_dump(external_config(outside_servers, tiny_model_dir, hook_log,
+                                                     experiment=SHARED_PREFIX_EXPERIMENT)))
     before = {arm: served_requests(url) for arm, url in outside_servers.items()}
     proc = run_cli("run", str(config), "--runs-dir", str(runs), "--run-id", "ext")
     print(proc.stdout[-6000:], proc.stderr[-3000:])
@@ -111,6 +124,16 @@ def test_servers_started_elsewhere_are_judged_stepped_through_the_hook_and_left_
     assert doc["decision"] == "promote"
     assert {arm: doc["arms"][arm]["endpoints"] for arm in outside_servers} == {a: [u] for a, u in outside_servers.items()}
     assert doc["accuracy"]["items"] == 64 and doc["progressive"]["steps_completed"] == 3
+    # the shared-prefix experiment: its prompts in their groups on both arms, and each arm's goodput under the SLO
+    goodput = doc["experiment"]["goodput"]
+    assert set(goodput) == {"baseline", "canary"} and all(g["of"] >= 20 and g["share"] > 0.9 for g in goodput.values())
+    records = [json.loads(line) for line in (runs / "ext" / "experiment" / "records.jsonl").read_text().splitlines()]
+    assert {r["arm"] for r in records} == {"baseline", "canary"}
+    assert all(r["prompt_tokens"] > 300 for r in records if r["ok"])  # a ~450-token prefix before each 8-word suffix
+    for arm in ("baseline", "canary"):
+        # at most one cold prompt per group; every later one hits >= 2 of its ~4 blocks (see test_fleet's
+        # shared-prefix test): far above 0.1 unless the outside server's prefix cache misses
+        assert doc["arms"][arm]["kv"]["prefix_cache_hit_rate"] > 0.1, doc["arms"][arm]["kv"]
     assert "advisory" not in doc["progressive"]  # the hook moved the traffic the steps judged
     # the acceptance guard read the outside canary's own /metrics: it passed (k=3, perfect drafts) in a judged window
     windows = [e["reason"] for e in doc["timeline"] if e["event"] == "window"]
