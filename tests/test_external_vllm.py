@@ -124,7 +124,7 @@ def test_servers_started_elsewhere_are_judged_stepped_through_the_hook_and_left_
     assert doc["decision"] == "promote"
     assert {arm: doc["arms"][arm]["endpoints"] for arm in outside_servers} == {a: [u] for a, u in outside_servers.items()}
     assert doc["accuracy"]["items"] == 64 and doc["progressive"]["steps_completed"] == 3
-    # the shared-prefix experiment: its prompts in their groups on both arms, and each arm's goodput under the SLO
+    # the shared-prefix experiment: long shared prompts on both arms, their cache hits, each arm's goodput under the SLO
     goodput = doc["experiment"]["goodput"]
     assert set(goodput) == {"baseline", "canary"} and all(g["of"] >= 20 and g["share"] > 0.9 for g in goodput.values())
     records = [json.loads(line) for line in (runs / "ext" / "experiment" / "records.jsonl").read_text().splitlines()]
