@@ -281,7 +281,7 @@ def judge_input(inp: JudgeInput) -> JudgeOutcome:
         missing = missing_gates(gates, inp.gates)
         if missing:
             parts.append("enabled but not judged from this input: " + ", ".join(missing)
-                         + " (list only the gates to judge in gates.enabled)")
+                         + " (name them in gates.disabled)")
         reason = "; ".join(parts) or "no gate was judged"
     slo = inp.gates.goodput_slo
     judged = inp.records[replay.warmup_records: replay.warmup_records + replay.judged_records]

@@ -22,7 +22,7 @@ import yaml
 from cluster.engine_spec import CpuLimits, EngineSpec
 from cluster.replica import free_port, iomp_library
 from tests.conftest import REPO
-from tests.test_cli_run import decision_of, run_cli
+from tests.test_cli_run import assert_goodput_per_arm, decision_of, run_cli
 
 pytestmark = pytest.mark.vllm
 
@@ -125,8 +125,7 @@ def test_servers_started_elsewhere_are_judged_stepped_through_the_hook_and_left_
     assert {arm: doc["arms"][arm]["endpoints"] for arm in outside_servers} == {a: [u] for a, u in outside_servers.items()}
     assert doc["accuracy"]["items"] == 64 and doc["progressive"]["steps_completed"] == 3
     # the shared-prefix experiment: long shared prompts on both arms, their cache hits, each arm's goodput under the SLO
-    goodput = doc["experiment"]["goodput"]
-    assert set(goodput) == {"baseline", "canary"} and all(g["of"] >= 20 and g["share"] > 0.9 for g in goodput.values())
+    assert_goodput_per_arm(doc, at_least=20)
     records = [json.loads(line) for line in (runs / "ext" / "experiment" / "records.jsonl").read_text().splitlines()]
     assert {r["arm"] for r in records} == {"baseline", "canary"}
     assert all(r["prompt_tokens"] > 300 for r in records if r["ok"])  # a ~450-token prefix before each 8-word suffix

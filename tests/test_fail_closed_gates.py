@@ -43,9 +43,15 @@ def test_an_enabled_gate_that_was_never_judged_blocks_promote():
     assert decide(results, cfg) is Decision.INCONCLUSIVE
     assert missing_gates(results, cfg) == ["accuracy_noninferiority", "output_divergence"]
     assert decide(results + [gate("accuracy_noninferiority", Verdict.FAIL)], cfg) is Decision.ROLLBACK
-    # the user who removes them from gates.enabled promotes without them
+    # the user who removes them from gates.enabled promotes without them, as does one who disables them
     narrowed = GatesConfig(enabled=EXPERIMENT_GATES)
     assert decide(results, narrowed) is Decision.PROMOTE and missing_gates(results, narrowed) == []
+    disabled = GatesConfig(disabled=["accuracy_noninferiority", "output_divergence"])
+    assert decide(results, disabled) is Decision.PROMOTE and missing_gates(results, disabled) == []
+    # disabling one gate leaves every other default gate needed (a list in `enabled` would not)
+    only_one = GatesConfig(disabled=["accuracy_noninferiority"])
+    assert missing_gates(results, only_one) == ["output_divergence"]
+    assert decide(results, only_one) is Decision.INCONCLUSIVE
     # a phase asks is_final about its own gates only
     assert is_final(results, cfg)
 
@@ -60,9 +66,10 @@ def test_the_decision_names_the_missing_gates_and_the_way_out():
     assert ctx.result.decision is Decision.INCONCLUSIVE
     reason = ctx.result.reason
     assert "accuracy_noninferiority, output_divergence (accuracy.enabled is false)" in reason
-    assert "gates.enabled" in reason and "\n" not in reason
-    # the same run with those gates taken out of gates.enabled promotes
-    ctx.cfg = cfg.model_copy(update={"gates": cfg.gates.model_copy(update={"enabled": EXPERIMENT_GATES})})
+    assert "name them in gates.disabled" in reason and "\n" not in reason
+    # the same run with those gates named in gates.disabled promotes
+    off = ["accuracy_noninferiority", "output_divergence"]
+    ctx.cfg = cfg.model_copy(update={"gates": cfg.gates.model_copy(update={"disabled": off})})
     decide_now(ctx)
     assert ctx.result.decision is Decision.PROMOTE
 

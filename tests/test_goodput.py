@@ -220,6 +220,9 @@ def write_config(tmp_path: Path, gates: dict) -> Path:
         ({"goodput_max_decrease": 1.0}, "gates.goodput_max_decrease"),
         ({"goodput_max_decrease": -0.1}, "gates.goodput_max_decrease"),
         ({"enabled": ["goodput"]}, "gates.enabled"),
+        ({"disabled": ["goodput"]}, "gates.disabled"),
+        ({"enabled": ["goodput_guard"], "disabled": ["goodput_guard"], "slo": {"e2e_s": 1}},
+         "both enabled and disabled"),
         # named but never judged: it would silently drop out of the gates that must pass
         ({"enabled": ["tpot_p50_improvement", "goodput_guard"]}, "gates.slo sets no bound"),
     ],
@@ -233,7 +236,8 @@ def test_a_bad_goodput_config_is_one_line_naming_the_field(tmp_path, gates, fiel
 
 def test_without_an_slo_the_gate_is_absent_and_with_one_it_is_judged_and_needed():
     assert GOODPUT_NAME in GATE_NAMES and GATE_PHASES[GOODPUT_NAME] == "experiment"
-    for cfg in (GatesConfig(), GatesConfig(slo=SloConfig()), GatesConfig(slo=SloConfig(ttft_s=0.3), enabled=["sample_ratio"])):
+    for cfg in (GatesConfig(), GatesConfig(slo=SloConfig()), GatesConfig(slo=SloConfig(ttft_s=0.3), enabled=["sample_ratio"]),
+                GatesConfig(slo=SloConfig(ttft_s=0.3), disabled=[GOODPUT_NAME])):
         assert not is_enabled(GOODPUT_NAME, cfg)
     assert is_enabled(GOODPUT_NAME, CFG) and missing_gates([], CFG)[-1] == GOODPUT_NAME
 
@@ -241,6 +245,10 @@ def test_without_an_slo_the_gate_is_absent_and_with_one_it_is_judged_and_needed(
     plan = LookPlan(requests_per_look=40, requests_per_arm=80, min_interval_s=0, min_looks=1, max_duration_s=1e9)
     plain = judge_look(records, looks_of, [0.5, 1.0], GatesConfig(), plan, None, False)
     assert GOODPUT_NAME not in {g.name for g in plain}
+    # disabled: not judged, and not needed for a promote (the per-arm goodput is still reported: rollout.result)
+    off = CFG.model_copy(update={"disabled": [GOODPUT_NAME]})
+    assert GOODPUT_NAME not in {g.name for g in judge_look(records, looks_of, [0.5, 1.0], off, plan, None, False)}
+    assert GOODPUT_NAME not in missing_gates([], off)
     gates = judge_look(records, looks_of, [0.5, 1.0], CFG, plan, None, False)
     goodput = {g.name: g for g in gates}[GOODPUT_NAME]
     assert goodput.look == 2 and goodput.n_baseline == 80

@@ -123,14 +123,14 @@ def test_a_canary_that_drops_its_slowest_requests_as_errors_does_not_promote(tmp
 
 def test_a_bare_records_file_cannot_pass_acceptance_or_the_missing_accuracy_gates(tmp_path, capsys):
     """Fail closed: without decision.json there are no spec-decode counters and no eval outcomes, so with the
-    default gates the input is INCONCLUSIVE, and the reason names the gates and gates.enabled."""
+    default gates the input is INCONCLUSIVE, and the reason names the gates and gates.disabled."""
     rng = np.random.default_rng(3)
     records = write_records(tmp_path / "r.jsonl", {"baseline": rng.lognormal(np.log(0.03), 0.2, 200),
                                                    "canary": rng.lognormal(np.log(0.02), 0.2, 200)})
     code, [out] = judged(capsys, str(records), "--config", str(run_config(tmp_path, None)))
     assert out["decision"] == "inconclusive" and code == 4
     assert {g["name"]: g["verdict"] for g in out["gates"]}["acceptance_length_floor"] == "inconclusive"
-    assert "accuracy_noninferiority, output_divergence" in out["reason"] and "gates.enabled" in out["reason"]
+    assert "accuracy_noninferiority, output_divergence" in out["reason"] and "gates.disabled" in out["reason"]
     assert any("spec-decode" in note for note in out["notes"])
 
 

@@ -124,6 +124,14 @@ class GatesConfig(pydantic.BaseModel, extra="forbid"):
         description=f"Optional subset of gate names to judge; null means all configured gates. "
         f"Known names: {', '.join(GATE_NAMES)}.",
     )
+    # The complement of `enabled`: turning one gate off must not mean listing every other one
+    # (such a list silently misses a gate the defaults gain later). A disabled gate's figures
+    # (goodput per arm, prefix-cache hit rates) are still measured and reported.
+    disabled: list[str] = Field(
+        default_factory=list,
+        description="Gate names not to judge (their figures are still reported, e.g. goodput per arm); "
+        f"the rest of `enabled` (or of all configured gates) is judged. Known names: {', '.join(GATE_NAMES)}.",
+    )
     spending: Literal["obrien_fleming", "pocock"] = Field(
         "obrien_fleming",
         description="Alpha-spending function over the looks (Lan-DeMets): obrien_fleming keeps early looks strict, "
@@ -186,6 +194,9 @@ class GatesConfig(pydantic.BaseModel, extra="forbid"):
 
     @pydantic.model_validator(mode="after")
     def _goodput_needs_an_slo(self) -> "GatesConfig":
+        both = sorted(set(self.enabled or ()) & set(self.disabled))
+        if both:
+            raise ValueError(f"{both} both enabled and disabled: name a gate in one of the two lists")
         if self.enabled and "goodput_guard" in self.enabled and self.goodput_slo is None:
             raise ValueError("enabled names goodput_guard but gates.slo sets no bound: the gate would never be judged")
         if self.enabled and "prefix_cache_guard" in self.enabled and self.prefix_cache_max_drop is None:
@@ -198,12 +209,22 @@ class GatesConfig(pydantic.BaseModel, extra="forbid"):
     def _known_gate_names(cls, names: list[str] | None) -> list[str] | None:
         if names is None:
             return None
-        unknown = sorted(set(names) - set(GATE_NAMES))
-        if unknown:
-            raise ValueError(f"unknown gate name(s) {unknown}; known: {list(GATE_NAMES)}")
+        _refuse_unknown(names)
         if not names:
             raise ValueError("enabled must name at least one gate (or be null for all)")
         return names
+
+    @pydantic.field_validator("disabled")
+    @classmethod
+    def _known_disabled_names(cls, names: list[str]) -> list[str]:
+        _refuse_unknown(names)
+        return names
+
+
+def _refuse_unknown(names: list[str]) -> None:
+    unknown = sorted(set(names) - set(GATE_NAMES))
+    if unknown:
+        raise ValueError(f"unknown gate name(s) {unknown}; known: {list(GATE_NAMES)}")
 
 
 class GuardConfig(BaseModel):

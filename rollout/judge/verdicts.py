@@ -64,8 +64,10 @@ class GateResult(pydantic.BaseModel):
 
 
 def is_enabled(name: str, cfg: GatesConfig) -> bool:
-    """Whether ``cfg`` asks for gate ``name`` (configured and, if listed, enabled)."""
+    """Whether ``cfg`` asks for gate ``name`` (configured, not disabled and, if listed, enabled)."""
     if cfg.enabled is not None and name not in cfg.enabled:
+        return False
+    if name in cfg.disabled:
         return False
     if name == "e2e_p95_guard" and cfg.e2e_p95_max_ratio is None:
         return False

@@ -48,7 +48,7 @@ def missing_reason(ctx: RunContext, missing: list[str]) -> str:
         parts.append(f"{', '.join(names)} ({why})")
     return (
         "enabled but never judged: " + "; ".join(parts)
-        + ", so the run cannot promote; to promote without them, list only the gates to judge in gates.enabled"
+        + ", so the run cannot promote; to promote without them, name them in gates.disabled"
     )
 
 
