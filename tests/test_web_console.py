@@ -79,11 +79,19 @@ def _rename(db, run_id: str, name: str) -> None:
 
 
 def _row(page, item: str) -> list[str]:
-    """The cells of the tab's row whose first cell is `item` ([] while there is none)."""
-    for row in page.locator("table tbody tr").all():
-        cells = [c.strip() for c in row.locator("td").all_inner_texts()]
-        if cells and cells[0] == item:
-            return cells
+    """The cells of the tab's row whose first cell is `item` ([] while there is none, or while the
+    page reloads: a page opened before the swarm ran loads itself again once it runs)."""
+    from playwright.sync_api import Error as PlaywrightError
+
+    try:
+        for row in page.locator("table tbody tr").all():
+            cells = [c.strip() for c in row.locator("td").all_inner_texts()]
+            if cells and cells[0] == item:
+                return cells
+    except PlaywrightError as exc:
+        if "context was destroyed" not in str(exc):
+            raise
+        page.wait_for_load_state()
     return []
 
 
@@ -165,10 +173,10 @@ def _watch_and_abort(binary: str, base: str, h, errors: list[str], dialogs: list
         run = _wait_for(lambda: _row(page, "run"), 60, "the tab's run row", seen=lambda: _shown(page))
         assert run[1] == f"web ({HOSTILE_NAME})" and run[3] == "running"
         assert page.locator("#injected").count() == 0 and page.title() != "owned"
-        assert _row(page, "phase")[1] == "progressive"
+        assert _wait_for(lambda: _row(page, "phase"), 30, "the phase row")[1] == "progressive"
         _wait_for(lambda: _row(page, "canary weight")[1:2] == ["30%"], 60, "canary weight 30%",
                   seen=lambda: _shown(page))
-        assert _row(page, "pending commands")[1] == "none"
+        assert _wait_for(lambda: _row(page, "pending commands"), 30, "the commands row")[1] == "none"
         # it updates between looks: the look number moves on and each guard's row comes with it
         first = int(_wait_for(lambda: _look(page), 60, "a first look", seen=lambda: _shown(page)))
         later = int(_wait_for(lambda: (look := _look(page)) and int(look) > first and look, 60, "a later look",
