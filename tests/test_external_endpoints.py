@@ -2,7 +2,7 @@
 
 The external replica is checked against the stream target (benchmarks/stream_target.py) as a
 fault target: a server that answers, one that is gone, one whose /metrics fails. The whole
-run against two real vLLM servers started outside the tool is tests/test_external_vllm.py.
+run against two real vLLM servers started outside the run is in tests/test_fleet.py.
 """
 
 from __future__ import annotations

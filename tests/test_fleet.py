@@ -7,8 +7,11 @@ and its tests use it in this order, the destructive ones last:
    then the accuracy phase with an abort command between its batches (rolled back, no load);
 2. the progressive phase over it: steps 10 -> 50 -> 100 with a pause answered by
    `mtp-canary promote` from another process, then a pause nobody answers;
-3. the canary's vLLM server SIGKILLed mid-step: rolled back within a window;
-4. the baseline's actor killed without stopping its server: the reaper stops the server.
+3. `mtp-canary run` against the two servers as endpoints it did not start (judged, stepped
+   through a weight hook, left running; a hook that fails), then a trace replay judged by the
+   goodput and prefix-cache gates;
+4. the canary's vLLM server SIGKILLed mid-step: rolled back within a window;
+5. the baseline's actor killed without stopping its server: the reaper stops the server.
 Before any of them, a bad engine argument with a fleet of its own (fails fast, tears down).
 """
 
@@ -49,6 +52,7 @@ from rollout.resume import ResumePoint
 from rollout.run_context import InfrastructureError, RunContext
 from rollout.store import RunStore
 from tests.conftest import REPO, wait_gone, wait_no_server_processes
+from tests.test_cli_run import assert_goodput_per_arm, decision_of, run_cli
 from tests.progressive_harness import Harness, assert_split_within_a_block, locust_processes
 
 pytestmark = pytest.mark.vllm
@@ -401,6 +405,156 @@ def check_acceptance_is_attributed_to_the_requests(fleet, records, before, after
     assert mixed.mean_acceptance_length < own.mean_acceptance_length
     print(f"acceptance: the experiment's requests {own.mean_acceptance_length:.2f}, the canary's server "
           f"{mixed.mean_acceptance_length:.2f} with other traffic: {who.note()}")
+
+
+# `run` against servers it did not start
+# ======================================================================================
+# The fleet's two servers, to a `run` CLI (a process of its own, with its own Ray instance), are
+# servers started elsewhere (`endpoints:`), as an operator's platform starts them: the run judges
+# them, steps the traffic through a weight hook and leaves them running. The same two servers then
+# take a trace replay judged by the goodput and prefix-cache gates. What these runs judge does not
+# depend on who started the servers, and a vLLM start is the suite's dearest step on a slow machine
+# (these tests had two servers of their own until they moved here: one start fewer).
+SERVED = "tiny"
+
+
+@pytest.fixture(scope="module")
+def outside_servers(fleet) -> dict[str, str]:
+    """The fleet's baseline (k=1) and canary (k=3) server URLs, handed to `run` as outside endpoints."""
+    return {arm: urls[0] for arm, urls in fleet.urls().items()}
+
+
+# The judged experiment of the first outside run: shared-prefix groups (the prefix-cache workload) with a
+# per-request SLO, reported per arm as goodput. No experiment gate is enabled (gates.enabled names the accuracy
+# gates), so the phase stops at its first look: what it shows is the workload and its goodput on the outside servers.
+SHARED_PREFIX_EXPERIMENT = {
+    "enabled": True, "dataset": "shared_prefix", "prefix_groups": 2, "prefix_tokens": 300, "input_tokens": "8",
+    "max_tokens": 16, "requests_per_look": 20, "requests_per_arm": 40, "window_s": 5, "max_duration_s": 300,
+    "users_per_replica": 2,
+}
+
+
+def external_config(urls: dict, model_dir, hook_log, exit_code: int = 0, accuracy: bool = True,
+                    experiment: dict | None = None) -> dict:
+    arm = lambda name, k: {"endpoints": [urls[name]], "engine": {  # noqa: E731
+        "model": str(model_dir), "served_model_name": SERVED, "device": "cpu", "max_model_len": 1024,
+        "speculative_config": {"method": "mtp", "num_speculative_tokens": k}}}
+    hook = ("import json, os, sys; open(sys.argv[1], 'a').write(json.dumps([os.environ['MTP_CANARY_WEIGHT'], "
+            "os.environ['MTP_CANARY_PHASE']]) + '\\n'); sys.exit(int(sys.argv[2]))")
+    return {
+        "name": "external",
+        "baseline": arm("baseline", 1),
+        "canary": arm("canary", 3),
+        "accuracy": {"enabled": accuracy, "kind": "golden", "path": str(model_dir / "golden.jsonl"), "limit": 64,
+                     "batch_size": 32, "concurrency": 4},
+        "experiment": experiment or {"enabled": False},
+        "progressive": {"enabled": True, "users": 2, "steps": [
+            {"canary_weight": 10, "bake_s": 10}, {"canary_weight": 50, "bake_s": 10}, {"canary_weight": 100, "bake_s": 10}],
+            "guards": {"window_s": 10, "error_rate_max_increase": 0.05, "ttft_p95_max_s": 10.0, "tpot_p95_max_s": 2.0,
+                       "min_acceptance_length": 1.5}},
+        "gates": {"enabled": ["accuracy_noninferiority", "output_divergence"], "accuracy_margin": 0.05,
+                  "slo": {"ttft_s": 30.0, "e2e_s": 120.0}},  # bounds the slowest machine meets: goodput ~1 per arm
+        "weight_hook": {"command": [sys.executable, "-c", hook, str(hook_log), str(exit_code)], "timeout_s": 30},
+    }
+
+
+def served_requests(url: str) -> float:
+    text = requests.get(url + "/metrics", timeout=10).text
+    return sum(float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+               if line.startswith("vllm:request_success_total"))
+
+
+def test_servers_started_elsewhere_are_judged_stepped_through_the_hook_and_left_running(outside_servers, tiny_model_dir,
+                                                                                        tmp_path):
+    runs, hook_log = tmp_path / "runs", tmp_path / "weights.jsonl"
+    config = tmp_path / "external.yaml"
+    config.write_text(yaml.safe_dump(external_config(outside_servers, tiny_model_dir, hook_log,
+                                                     experiment=SHARED_PREFIX_EXPERIMENT)))
+    before = {arm: served_requests(url) for arm, url in outside_servers.items()}
+    proc = run_cli("run", str(config), "--runs-dir", str(runs), "--run-id", "ext")
+    print(proc.stdout[-6000:], proc.stderr[-3000:])
+    assert proc.returncode == 0, proc.stdout[-3000:]
+    doc = decision_of(runs, "ext")
+    assert doc["decision"] == "promote"
+    assert {arm: doc["arms"][arm]["endpoints"] for arm in outside_servers} == {a: [u] for a, u in outside_servers.items()}
+    assert doc["accuracy"]["items"] == 64 and doc["progressive"]["steps_completed"] == 3
+    # the shared-prefix experiment: long shared prompts on both arms, their cache hits, each arm's goodput under the SLO
+    assert_goodput_per_arm(doc, at_least=20)
+    records = [json.loads(line) for line in (runs / "ext" / "experiment" / "records.jsonl").read_text().splitlines()]
+    assert {r["arm"] for r in records} == {"baseline", "canary"}
+    assert all(r["prompt_tokens"] > 300 for r in records if r["ok"])  # a ~450-token prefix before each 8-word suffix
+    for arm in ("baseline", "canary"):
+        # at most one cold prompt per group; every later one hits >= 2 of its ~4 blocks (see test_fleet's
+        # shared-prefix test): far above 0.1 unless the outside server's prefix cache misses
+        assert doc["arms"][arm]["kv"]["prefix_cache_hit_rate"] > 0.1, doc["arms"][arm]["kv"]
+    assert "advisory" not in doc["progressive"]  # the hook moved the traffic the steps judged
+    # the acceptance guard read the outside canary's own /metrics: it passed (k=3, perfect drafts) in a judged window
+    windows = [e["reason"] for e in doc["timeline"] if e["event"] == "window"]
+    assert any("guard_acceptance_length=pass" in w for w in windows), windows
+    # the hook got every weight the run set, in order: each step's, then the promotion's
+    calls = [json.loads(line) for line in hook_log.read_text().splitlines()]
+    set_weights = [e for e in doc["timeline"] if e["event"] == "weights"]
+    assert [w for w, _ in calls] == ["10", "50", "100", "100"]
+    assert [float(w) for w, _ in calls] == [e["canary_weight"] for e in set_weights]
+    assert [phase for _, phase in calls][:3] == ["progressive"] * 3
+    # both servers took the run's traffic and still serve: the run did not stop what it did not start
+    after = {arm: served_requests(url) for arm, url in outside_servers.items()}
+    assert all(after[arm] > before[arm] for arm in after), (before, after)
+    assert all(requests.get(url + "/health", timeout=10).status_code == 200 for url in outside_servers.values())
+    assert not (runs / "ext" / "replica-logs").exists() or list((runs / "ext" / "replica-logs").iterdir()) == []
+
+    # A hook that cannot move the traffic fails the run closed: an infrastructure error at the first
+    # step (exit 1, no verdict acted on), the router's weight and the hook sent back to 0.
+    failing_log = tmp_path / "failing.jsonl"
+    config.write_text(yaml.safe_dump(external_config(outside_servers, tiny_model_dir, failing_log, exit_code=7,
+                                                     accuracy=False) | {"gates": {"enabled": ["error_rate_guard"]}}))
+    proc = run_cli("run", str(config), "--runs-dir", str(runs), "--run-id", "ext-hook-fails")
+    print(proc.stdout[-4000:], proc.stderr[-2000:])
+    assert proc.returncode == 1, proc.stdout[-3000:]
+    doc = decision_of(runs, "ext-hook-fails")
+    assert "weight_hook (python" in doc["error"] and "exited 7 for weight 10%" in doc["error"]
+    assert [json.loads(line)[0] for line in failing_log.read_text().splitlines()] == ["10", "0"]
+    assert doc["timeline"][-1]["canary_weight"] == 0
+    assert all(requests.get(url + "/health", timeout=10).status_code == 200 for url in outside_servers.values())
+
+
+def test_a_trace_replay_with_an_slo_and_the_prefix_cache_gate_reaches_a_decision(outside_servers, tiny_model_dir,
+                                                                                  tmp_path):
+    """The shipped sample trace (bursty; sessions whose turns extend each other; groups sharing a
+    prefix) replayed at a quarter speed (~0.5 requests/s per arm: its ~300-token prompts take seconds to
+    prefill on one CPU core) on both arms, judged by the guards only: every arm's goodput and
+    prefix-cache hit rate in decision.json, the prefix-cache gate judged on both arms' counters (the
+    servers' /metrics: deltas over the run, whatever they served before)."""
+    runs = tmp_path / "runs"
+    data = yaml.safe_load((REPO / "configs" / "local-cpu.yaml").read_text())
+    outside = external_config(outside_servers, tiny_model_dir, tmp_path / "no-hook.jsonl")
+    data["baseline"], data["canary"] = outside["baseline"], outside["canary"]
+    data["accuracy"]["enabled"] = False
+    data["experiment"].update(
+        dataset="trace", dataset_path="loadtests/data/traces/sample.jsonl", trace_speedup=0.25, users_per_replica=4,
+        requests_per_look=20, requests_per_arm=120, max_duration_s=900,
+    )
+    data["experiment"].pop("sweep")
+    data["gates"].update(slo={"ttft_s": 30.0, "e2e_s": 120.0}, goodput_max_decrease=0.1, prefix_cache_max_drop=0.2,
+                         enabled=["error_rate_guard", "goodput_guard", "prefix_cache_guard", "sample_ratio"])
+    config = tmp_path / "trace.yaml"
+    config.write_text(yaml.safe_dump(data))
+    proc = run_cli("run", str(config), "--runs-dir", str(runs), "--run-id", "trace")
+    print(proc.stdout[-6000:], proc.stderr[-3000:])
+    doc = decision_of(runs, "trace")
+    assert doc["decision"] == "promote", (doc["reason"], proc.stdout[-3000:])
+    gates = {g["name"]: g for g in doc["gates"]}
+    prefix = gates["prefix_cache_guard"]
+    assert prefix["verdict"] == "pass" and prefix["n_baseline"] > 10_000 and prefix["n_canary"] > 10_000, prefix
+    for arm in ("baseline", "canary"):
+        kv = doc["arms"][arm]["kv"]
+        assert kv["prefix_cache_hit_rate"] > 0.05, kv  # shared prefixes and sessions: hits on both arms
+        assert doc["experiment"]["goodput"][arm]["share"] > 0.9
+    records = [json.loads(line) for line in (runs / "trace" / "experiment" / "records.jsonl").read_text().splitlines()]
+    # open loop at the trace's times: every request had its due time, and left at or after it
+    assert records and all(r["scheduled_at"] is not None and r["sent_at"] >= r["scheduled_at"] - 1e-3 for r in records)
+    print(f"trace replay: prefix-cache hit rate baseline {prefix['baseline']:.3f} canary {prefix['canary']:.3f}, "
+          f"send lag p99 {doc['experiment']['generator_send_lag_p99_ms']} ms")
 
 
 def test_vllm_canary_killed_mid_step_is_aborted_within_one_window(tmp_path, router, fleet):
