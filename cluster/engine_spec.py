@@ -218,7 +218,8 @@ class EngineSpec(BaseModel):
     per_request_spec_decode_metrics: bool = Field(
         True,
         description="--per-request-spec-decode-metrics summary: each response's final usage chunk carries its own "
-        "draft acceptance, which the acceptance gate counts (no effect on an engine that does not speculate)",
+        "draft acceptance, which the acceptance gate counts (not passed to an engine that does not speculate: vLLM "
+        "refuses it there)",
     )
 
     @field_validator("speculative_config")
@@ -310,7 +311,8 @@ class EngineSpec(BaseModel):
             cmd += ["--speculative-config", json.dumps(self.speculative_config, sort_keys=True)]
         if self.enforce_eager:
             cmd.append("--enforce-eager")
-        if self.per_request_spec_decode_metrics:
+        if self.per_request_spec_decode_metrics and self.speculative_config:
+            # vLLM 0.32 refuses the flag on an engine that does not speculate (the server exits 1)
             cmd += ["--per-request-spec-decode-metrics", "summary"]
         if self.trust_remote_code:
             cmd.append("--trust-remote-code")

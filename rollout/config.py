@@ -30,6 +30,7 @@ from rollout import engine_parity
 from rollout.evals import EvalSpec
 from rollout.judge.config import GatesConfig, GuardConfig
 from rollout.judge.stats import MAX_PLANNED_LOOKS
+from rollout.judge.verdicts import is_enabled
 
 TWIN = "twin"  # the second baseline arm (twin_baseline: the A/A noise floor)
 
@@ -291,6 +292,13 @@ class ExperimentConfig(BaseModel):
     prefix_groups: int = Field(8, ge=1, le=100_000, description="shared_prefix: how many distinct prefixes")
     prefix_tokens: int = Field(256, ge=1, le=1_000_000, description="shared_prefix: each prefix's length (~words)")
     max_tokens: int = Field(64, ge=2)
+    temperature: float = Field(
+        0.0,
+        ge=0.0,
+        le=2.0,
+        description="sampling temperature of the load's requests (0: greedy); the same on every arm. Above 0 the "
+        "latency and acceptance gates see speculation as sampled traffic gets it (vLLM's rejection sampler)",
+    )
     endpoint: str = Field("completions", description="completions or chat")
     workers: int = Field(1, ge=0, description="Locust worker processes (0: one local process)")
     worker_placement: str = Field(
@@ -508,6 +516,11 @@ class RolloutConfig(BaseModel):
                              "run starts; judge the noise floor with a run of its own, or drop twin_baseline")
         if not self.accuracy.enabled and not self.experiment.enabled and not self.progressive.enabled:
             raise ValueError("accuracy, experiment and progressive are all disabled: nothing to judge")
+        if self.accuracy.enabled and self.accuracy.temperature > 0 and is_enabled("output_divergence", self.gates):
+            raise ValueError(
+                f"accuracy.temperature {self.accuracy.temperature:g}: sampled outputs differ between arms by chance, so "
+                "output_divergence cannot be judged; name it in gates.disabled (accuracy_noninferiority still is)"
+            )
         exp = self.experiment
         if exp.dataset == "trace" and self.progressive.enabled and self.progressive.rate:
             raise ValueError("progressive.rate with experiment.dataset: trace: the trace sets its own send times")

@@ -68,6 +68,17 @@ class EvalSpec(BaseModel):
         256, ge=1, description="gsm8k (and golden items given as text): generation cap; golden ids use len(expected)"
     )
     seed: int = Field(0, description="seed of the item shuffle and of every request's sampling")
+    # Speculative decoding must be lossless in distribution, not only under greedy decoding: sampled
+    # items put the engine's rejection sampler (min(1, p/q) acceptance, residual resampling) to the test.
+    temperature: float = Field(
+        0.0,
+        ge=0.0,
+        le=2.0,
+        description="sampling temperature of the eval requests (0: greedy). Above 0: a golden item is right only "
+        "when the sampled continuation is the expected one (a checkpoint as sharp as the tiny one, p ~ 0.999 per "
+        "token, follows it unless the engine's sampled speculation is lossy); sampled outputs differ between arms "
+        "by chance, so the output_divergence gate must be named in gates.disabled",
+    )
     shuffle: bool = Field(
         True, description="shuffle items (seeded) so an early look at the first items sees a representative sample"
     )
@@ -293,12 +304,12 @@ def outputs_differ(a: ItemOutcome, b: ItemOutcome) -> bool:
 
 
 def completion_request(model: str, item: EvalItem, spec: EvalSpec) -> dict[str, Any]:
-    """The /v1/completions body for an item: greedy, seeded, identical for every arm."""
+    """The /v1/completions body for an item: greedy (or at spec.temperature), seeded, identical for every arm."""
     body: dict[str, Any] = {
         "model": model,
         # vLLM accepts a list of ints as one tokenised prompt.
         "prompt": item.prompt_token_ids if item.prompt_token_ids is not None else item.prompt,
-        "temperature": 0.0,
+        "temperature": spec.temperature,
         "seed": spec.seed,
         "n": 1,
         "stream": False,

@@ -124,6 +124,7 @@ class TrafficPlan:
             "trace_format": exp.trace_format,
             "trace_speedup": exp.trace_speedup,
             "max_tokens": exp.max_tokens,
+            "temperature": exp.temperature,
             "endpoint": exp.endpoint,
         }
 

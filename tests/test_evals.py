@@ -257,6 +257,9 @@ def test_completion_request_is_greedy_and_sized_by_the_item():
     gsm = completion_request("m", EvalItem(id="q", prompt="Question: q\nAnswer:", answer="1"), spec)
     assert gsm["prompt"] == "Question: q\nAnswer:" and gsm["max_tokens"] == 64 and gsm["stop"] == GSM8K_STOP
     assert gsm["model"] == "m"
+    sampled = completion_request("m", EvalItem(id="g", prompt_token_ids=[1, 2], expected_token_ids=[3]),
+                                 EvalSpec(seed=7, temperature=1.0))
+    assert sampled["temperature"] == 1.0 and sampled["seed"] == 7
 
 
 # -- evaluate_batch against a scripted server --------------------------------------------------

@@ -1,6 +1,7 @@
-"""Accuracy: identical greedy items to every arm in batches, judged after each batch (paired
-non-inferiority and output divergence, rollout.judge.accuracy); stops early on a clear
-regression or an abort command, and a canary that already lost accuracy gets no load."""
+"""Accuracy: identical items (greedy, or sampled at accuracy.temperature) to every arm in
+batches, judged after each batch (paired non-inferiority and output divergence,
+rollout.judge.accuracy); stops early on a clear regression of a judged gate or an abort
+command, and a canary that already lost accuracy gets no load."""
 
 from __future__ import annotations
 
@@ -66,7 +67,8 @@ class Accuracy:
         spec = eval_spec(ctx)
         items: list[EvalItem] = load_items(spec)
         arms = [BASELINE, CANARY] + ([TWIN] if TWIN in ctx.engines else [])
-        ctx.say(f"accuracy: {len(items)} {spec.kind} items to {', '.join(arms)} (greedy), batches of {cfg.accuracy.batch_size}")
+        how = "greedy" if spec.temperature == 0 else f"sampled at temperature {spec.temperature:g}, seed {spec.seed}"
+        ctx.say(f"accuracy: {len(items)} {spec.kind} items to {', '.join(arms)} ({how}), batches of {cfg.accuracy.batch_size}")
         ctx.event("accuracy", "start", f"{len(items)} {spec.kind} items")
         t0 = time.monotonic()
         outcomes: dict[str, list[ItemOutcome]] = {arm: [] for arm in arms}
@@ -85,7 +87,9 @@ class Accuracy:
             request_errors=errors,
             duration_s=time.monotonic() - t0,
         )
-        ctx.result.gates += [g for g in (accuracy_gate, divergence_gate) if g is not None]
+        # a gate the config does not judge (gates.enabled / gates.disabled) is no verdict of the run; its
+        # figure stays in the summary above (divergence_vs_baseline)
+        ctx.result.gates += [g for g in (accuracy_gate, divergence_gate) if g is not None and is_enabled(g.name, cfg.gates)]
         ctx.event("accuracy", "done", f"{accuracy_gate.verdict.value} / {divergence_gate.verdict.value}")
         if sum(errors.values()) and all(o.error for o in outcomes[BASELINE]):
             raise InfrastructureError(f"accuracy: every baseline request failed: {outcomes[BASELINE][0].error}")
@@ -121,14 +125,17 @@ class Accuracy:
             done = len(outcomes[BASELINE])
             ctx.tick("accuracy items", done, len(items))
             acc = {arm: np.mean([o.correct for o in outcomes[arm]]) for arm in arms}
+            judged = [g for g in (accuracy_gate, divergence_gate) if is_enabled(g.name, ctx.cfg.gates)]
             ctx.say(
                 f"accuracy: {done}/{len(items)} items | "
                 + " ".join(f"{arm} {acc[arm]:.3f}" for arm in arms)
-                + f" | {accuracy_gate.name}: {accuracy_gate.verdict.value}, {divergence_gate.name}: {divergence_gate.verdict.value}"
+                + "".join(f" | {g.name}: {g.verdict.value}" for g in judged)
             )
             if not last and ctx.aborted("accuracy"):
                 break
-            if not last and (accuracy_gate.verdict == Verdict.FAIL or divergence_gate.verdict == Verdict.FAIL):
+            # only a judged gate stops the phase: sampled outputs (accuracy.temperature > 0) differ by
+            # chance, and a divergence the config does not judge must not cut the accuracy evidence short
+            if not last and any(g.verdict == Verdict.FAIL for g in judged):
                 ctx.say("accuracy: clear regression, stopping early")
                 ctx.event("accuracy", "early_stop", f"after {done} items")
                 break
