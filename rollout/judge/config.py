@@ -193,10 +193,14 @@ class GatesConfig(pydantic.BaseModel, extra="forbid"):
         return self.slo if self.slo is not None and self.slo.bounds else None
 
     @pydantic.model_validator(mode="after")
-    def _goodput_needs_an_slo(self) -> "GatesConfig":
+    def _enabled_and_disabled_apart(self) -> "GatesConfig":
         both = sorted(set(self.enabled or ()) & set(self.disabled))
         if both:
             raise ValueError(f"{both} both enabled and disabled: name a gate in one of the two lists")
+        return self
+
+    @pydantic.model_validator(mode="after")
+    def _goodput_needs_an_slo(self) -> "GatesConfig":
         if self.enabled and "goodput_guard" in self.enabled and self.goodput_slo is None:
             raise ValueError("enabled names goodput_guard but gates.slo sets no bound: the gate would never be judged")
         if self.enabled and "prefix_cache_guard" in self.enabled and self.prefix_cache_max_drop is None:
