@@ -23,6 +23,10 @@ What the replay knows, and from where:
   judged as the run judged it); else decision.json's canary spec-decode counters (the
   phase's final ones, at every look); else none, so acceptance is INCONCLUSIVE unless
   gates.enabled leaves acceptance_length_floor out;
+* prefix cache: the run directory's decision.json counters at each of its looks (each
+  arm's prefix-cache hits and queried prompt tokens), when the looks fall where the
+  run's did; else none, so an enabled prefix_cache_guard is INCONCLUSIVE (records
+  hold no server counters);
 * goodput: when the gates set an SLO (``gates.slo``), the goodput gate is judged at
   every look like the others, and ``goodput`` holds each arm's share of the judged
   records meeting it;
@@ -50,13 +54,14 @@ from typing import Any
 
 from pydantic import ValidationError
 
-from cluster.arms import CANARY
+from cluster.arms import BASELINE, CANARY
 from cluster.metrics import SpecDecodeStats
 from loadtests.records import RequestRecord
 from rollout.judge.config import GatesConfig
 from rollout.judge.experiment_looks import LookPlan, Replay, replay_looks
 from rollout.judge.goodput import ArmGoodput, goodput_by_arm
-from rollout.judge.names import GATE_PHASES
+from rollout.judge.names import GATE_PHASES, PREFIX_CACHE_NAME
+from rollout.judge.prefix_cache import PrefixCacheLooks
 from rollout.judge.request_acceptance import spec_decode_of_requests
 from rollout.judge.verdicts import Decision, GateResult, Verdict, decide, is_enabled, missing_gates
 from rollout.result import EXIT_CODES
@@ -83,6 +88,7 @@ class JudgeInput:
     canary_spec: SpecDecodeStats | None
     speculative_canary: bool
     stored_counts: list[dict[str, int]] | None = None
+    stored_prefix_cache: PrefixCacheLooks | None = None  # the run's counters at its looks (decision.json)
     carried_gates: list[GateResult] = field(default_factory=list)  # the run's accuracy gates
     notes: list[str] = field(default_factory=list)
 
@@ -243,6 +249,10 @@ def _from_run(inp: JudgeInput, doc: dict[str, Any], path: Path) -> None:
         inp.plan.requests_per_look, inp.plan.requests_per_arm, inp.plan.warmup_requests_per_arm)
     if looks and same_plan:
         inp.stored_counts = [dict(k.get("requests") or {}) for k in looks]
+        inp.stored_prefix_cache = _stored_prefix_cache(looks, path)
+        if inp.stored_prefix_cache is None and is_enabled(PREFIX_CACHE_NAME, inp.gates):
+            inp.notes.append(f"{path / DECISION}'s looks hold no prefix-cache counters (a run written before "
+                             "they were recorded): prefix_cache_guard is inconclusive")
     elif looks:
         inp.notes.append("the look plan differs from the run's: looks by the boundary rule on the records' clock")
     for stored in doc.get("gates") or []:
@@ -255,12 +265,31 @@ def _from_run(inp: JudgeInput, doc: dict[str, Any], path: Path) -> None:
                                                                      "request records): " + gate.detail}))
 
 
+def _stored_prefix_cache(looks: list[Any], path: Path) -> PrefixCacheLooks | None:
+    """Each arm's (hits, queries) at every look of decision.json, or None where its looks have none."""
+    series: dict[str, list[tuple[float, float] | None]] = {BASELINE: [], CANARY: []}
+    for number, look in enumerate(looks, start=1):
+        stored = look.get("prefix_cache") if isinstance(look, dict) else None
+        if not stored:
+            return None
+        for arm, points in series.items():
+            value = stored.get(arm) if isinstance(stored, dict) else "missing"
+            if value is None:
+                points.append(None)
+            elif (isinstance(value, list) and len(value) == 2
+                  and all(isinstance(v, (int, float)) and not isinstance(v, bool) and math.isfinite(v) for v in value)):
+                points.append((float(value[0]), float(value[1])))
+            else:
+                raise BadInput(f"{path / DECISION}: experiment.looks[{number}].prefix_cache.{arm}: not [hits, queries]")
+    return PrefixCacheLooks(baseline=series[BASELINE], canary=series[CANARY])
+
+
 # -- judging ---------------------------------------------------------------------------------
 def judge_input(inp: JudgeInput) -> JudgeOutcome:
     """Replay the looks and decide over the replay's gates and the carried accuracy gates."""
     try:
         replay = replay_looks(inp.records, inp.plan, inp.gates, inp.canary_spec, inp.speculative_canary,
-                              inp.stored_counts)
+                              inp.stored_counts, inp.stored_prefix_cache)
     except ValueError as exc:  # stored look counts the records do not hold
         raise BadInput(_one_line(f"{inp.label}: {exc}")) from None
     gates = [*inp.carried_gates, *replay.gates]

@@ -13,7 +13,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict
+from pydantic import BaseModel, ConfigDict, Field
 
 from rollout.config import RolloutConfig
 from rollout.crossover import Crossing, LevelResult
@@ -72,6 +72,10 @@ class LookSummary(Summary):
     information: float
     requests: dict[str, int]
     verdicts: dict[str, str]
+    # each arm's prefix-cache counters (hits, queried prompt tokens) since the looks began, read at this
+    # look (null: not read, or a counter went backwards): `mtp-canary judge` replays the prefix-cache gate
+    # from them, as its records hold no server counters. Absent ({}) in runs written before them.
+    prefix_cache: dict[str, tuple[float, float] | None] = Field(default_factory=dict)
 
 
 class SweepArm(Summary):

@@ -554,6 +554,13 @@ def test_a_trace_replay_with_an_slo_and_the_prefix_cache_gate_reaches_a_decision
     records = [json.loads(line) for line in (runs / "trace" / "experiment" / "records.jsonl").read_text().splitlines()]
     # open loop at the trace's times: every request had its due time, and left at or after it
     assert records and all(r["scheduled_at"] is not None and r["sent_at"] >= r["scheduled_at"] - 1e-3 for r in records)
+    # every look keeps both arms' counters, so `mtp-canary judge` replays the prefix-cache gate as the run judged it
+    assert all(None not in look["prefix_cache"].values() for look in doc["experiment"]["looks"]), doc["experiment"]["looks"]
+    rejudged = run_cli("judge", str(runs / "trace"), "--json", timeout=300)
+    replayed = {g["name"]: g for g in json.loads(rejudged.stdout.splitlines()[-1])["gates"]}["prefix_cache_guard"]
+    assert replayed["verdict"] == prefix["verdict"], rejudged.stdout[-2000:]
+    assert replayed["estimate"] == pytest.approx(prefix["estimate"], rel=1e-9)
+    assert replayed["interval"] == pytest.approx(prefix["interval"], rel=1e-9)
     print(f"trace replay: prefix-cache hit rate baseline {prefix['baseline']:.3f} canary {prefix['canary']:.3f}, "
           f"send lag p99 {doc['experiment']['generator_send_lag_p99_ms']} ms")
 

@@ -280,3 +280,48 @@ def test_a_run_with_a_warm_up_is_replayed_with_it_and_another_warm_up_is_another
     other = rejudge.load_input(str(run), load_config(config))
     assert other.plan.warmup_requests_per_arm == 0 and other.stored_counts is None
     assert any("look plan differs" in note for note in other.notes)
+
+
+def _with_prefix_counters(tmp_path: Path, rates: dict[str, list[float]] | None) -> Path:
+    """REAL_RUN judged by the prefix-cache gate as well, its looks carrying each arm's cumulative
+    (hits, queried tokens) at the given per-look hit rates (None: a run written before looks held them)."""
+    import shutil
+
+    run = tmp_path / "run"
+    shutil.copytree(REAL_RUN, run)
+    doc = json.loads((run / "decision.json").read_text())
+    doc["gates_config"]["prefix_cache_max_drop"] = 0.2
+    for i, look in enumerate(doc["experiment"]["looks"]):
+        if rates is not None:
+            look["prefix_cache"] = {arm: [sum(2000.0 * r for r in per_look[: i + 1]), 2000.0 * (i + 1)]
+                                    for arm, per_look in rates.items()}
+    (run / "decision.json").write_text(json.dumps(doc))
+    return run
+
+
+@pytest.mark.parametrize(("canary_rates", "verdict"), [([0.58, 0.63, 0.59], "pass"), ([0.11, 0.08, 0.12], "fail")])
+def test_the_prefix_cache_gate_is_rejudged_from_the_runs_counters_at_its_looks(tmp_path, capsys, canary_rates, verdict):
+    """decision.json keeps each arm's prefix-cache counters at every look, so `judge` judges the gate as the
+    run did: a canary hitting as the baseline (~0.6) passes, one hitting ~0.1 fails and rolls back."""
+    run = _with_prefix_counters(tmp_path, {"baseline": [0.6, 0.61, 0.6], "canary": canary_rates})
+    code, [out] = judged(capsys, str(run))
+    gate = next(g for g in out["gates"] if g["name"] == "prefix_cache_guard")
+    assert gate["verdict"] == verdict, gate["detail"]
+    assert gate["n_baseline"] == gate["n_canary"] == 6000
+    if verdict == "fail":
+        assert out["decision"] == "rollback" and code == 3
+
+
+def test_a_run_without_prefix_counters_cannot_pass_the_prefix_cache_gate(tmp_path, capsys):
+    run = _with_prefix_counters(tmp_path, None)
+    code, [out] = judged(capsys, str(run))
+    gate = next(g for g in out["gates"] if g["name"] == "prefix_cache_guard")
+    assert gate["verdict"] == "inconclusive" and out["decision"] != "promote" and code != 0
+    assert any("no prefix-cache counters" in note for note in out["notes"])
+    # counters that are not [hits, queries] are a bad input, named
+    run = _with_prefix_counters(tmp_path / "bad", {"baseline": [0.6] * 3, "canary": [0.6] * 3})
+    doc = json.loads((run / "decision.json").read_text())
+    doc["experiment"]["looks"][1]["prefix_cache"]["canary"] = "many"
+    (run / "decision.json").write_text(json.dumps(doc))
+    assert rejudge.main([str(run)]) == 2
+    assert "experiment.looks[2].prefix_cache.canary: not [hits, queries]" in capsys.readouterr().err

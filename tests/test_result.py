@@ -57,6 +57,8 @@ def key_paths(value, prefix: str = "") -> set[str]:
 # experiment fields added since the runs were recorded, with their defaults: a run today writes them
 ADDED_CPU_FIELDS = {"worker_process": False}
 ADDED_EXPERIMENT_FIELDS = {"arm_users": False, "warmup_requests_per_arm": 0, "warmup_requests": {}}
+# each look's prefix-cache counters per arm, recorded since (for `mtp-canary judge`'s prefix-cache gate)
+ADDED_LOOK_PREFIX_CACHE = {"baseline": None, "canary": None}
 # whose acceptance each arm's spec_decode is (rollout.judge.request_acceptance), unknown in the recorded runs
 ADDED_SPEC_DECODE_FIELDS = {"counted_from": None, "server_drafts": None, "server_mean_acceptance_length": None,
                             "other_traffic_steps": None, "other_traffic": None}
@@ -82,6 +84,8 @@ def recorded_document(run: str) -> dict:
     doc["gates_config"] = GatesConfig(**doc["gates_config"]).model_dump(mode="json")
     if doc.get("experiment"):
         doc["experiment"] = {**doc["experiment"], **{k: v for k, v in ADDED_EXPERIMENT_FIELDS.items() if k not in doc["experiment"]}}
+        for look in doc["experiment"].get("looks") or []:
+            look.setdefault("prefix_cache", dict(ADDED_LOOK_PREFIX_CACHE))
         if doc["experiment"].get("sweep") and "sweep_crossover" not in doc["experiment"]:
             doc["experiment"]["sweep_crossover"] = sweep_crossover_of(doc["experiment"]["sweep"])
         for row in doc["experiment"].get("sweep") or []:  # goodput vs load (null without an SLO)
@@ -168,6 +172,8 @@ def test_a_recorded_decision_document_survives_the_typed_result(run):
     for row in (doc["experiment"] or {}).get("sweep") or []:  # and each sweep level's goodput (null: no SLO)
         for arm in row["arms"].values():
             arm.setdefault("goodput", None)
+    for look in (doc["experiment"] or {}).get("looks") or []:  # and a look's prefix-cache counters (none then)
+        look.setdefault("prefix_cache", {})
     with_added_spec_decode_fields(doc)  # and whose acceptance it is
     result = RunResult.from_document(doc, config_of(doc), Path("/tmp") / run)
     # typed, not dicts: a phase that changes a shape fails here, not in a user's pipeline

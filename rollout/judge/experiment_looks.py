@@ -196,16 +196,19 @@ def judge_look(
     plan: LookPlan,
     canary_spec: SpecDecodeStats | None,
     speculative_canary: bool,
+    prefix_cache: PrefixCacheLooks | None = None,
 ) -> list[GateResult]:
     """Every experiment gate at look ``len(fractions)`` on all records so far: latency, acceptance, sample ratio,
-    and goodput when the config enables it (``gates.slo`` sets a bound).
+    goodput when the config enables it (``gates.slo`` sets a bound), and the prefix-cache gate when enabled
+    (``prefix_cache``: each arm's counters at every look so far; None: unknown, so it is INCONCLUSIVE).
 
     ``looks_of[i]`` is the look record ``i`` arrived in; ``fractions`` the information
     fraction of every look so far, this one last. ``canary_spec`` is the canary's
     spec-decode counters since the phase began (None: not scraped, so unknown).
     With ``plan.twin`` the objective is held to the A/A noise floor (`judge_look_with_floor`).
     """
-    return judge_look_with_floor(records, looks_of, fractions, cfg, plan, canary_spec, speculative_canary)[0]
+    return judge_look_with_floor(records, looks_of, fractions, cfg, plan, canary_spec, speculative_canary,
+                                 prefix_cache)[0]
 
 
 def judge_look_with_floor(
@@ -220,7 +223,7 @@ def judge_look_with_floor(
 ) -> tuple[list[GateResult], NoiseFloor | None]:
     """`judge_look`'s gates and, with a twin baseline, the look's A/A noise floor (None without a twin).
     ``prefix_cache``: each arm's prefix-cache counters at every look (the live loop reads them from
-    /metrics; a replay of records has none, so an enabled prefix-cache gate is INCONCLUSIVE there)."""
+    /metrics; a replay has them only from the run's decision.json, at the run's own looks)."""
     look = len(fractions)
     samples = latency_samples_by_arm(records, looks_of, plan.arms)
     baseline, canary = samples[BASELINE], samples[CANARY]
@@ -349,6 +352,7 @@ def replay_looks(
     canary_spec: SpecDecodeStats | None,
     speculative_canary: bool,
     stored_counts: Sequence[dict[str, int]] | None = None,
+    stored_prefix_cache: PrefixCacheLooks | None = None,
 ) -> Replay:
     """Judge ``records`` (in the order the controller read them) look by look, as the controller did.
 
@@ -356,7 +360,9 @@ def replay_looks(
     the looks fall exactly where the run's did; without, where the boundary rule puts
     them on the records' own clock. The spec-decode counters: the canary's requests'
     own up to each look where they carry them (as the run counted), else ``canary_spec``
-    (the phase's final ones) at every look. Records after the last
+    (the phase's final ones) at every look. ``stored_prefix_cache``: the run's prefix-cache
+    counters at each of its looks (used only with ``stored_counts``: they belong to the run's
+    look boundaries, not to any others). Records after the last
     look are not judged, as in the run; nor are a warm-up's (``warmup_end``): the looks
     begin after it, and ``judged_records`` counts from the warm-up's end.
     """
@@ -376,7 +382,10 @@ def replay_looks(
         fractions.append(next_information(fractions, plan.information(requests_by_arm(records[:end], plan.arms))))
         # the canary's own requests' counters up to this look where they carry them, as the run counted
         look_spec = spec_decode_of_requests(records[:end], CANARY) or canary_spec
-        gates = judge_look(records[:end], looks_of, fractions, cfg, plan, look_spec, speculative_canary)
+        prefix = None
+        if stored_prefix_cache is not None and stored_counts is not None:
+            prefix = PrefixCacheLooks(baseline=stored_prefix_cache.baseline[:look], canary=stored_prefix_cache.canary[:look])
+        gates = judge_look(records[:end], looks_of, fractions, cfg, plan, look_spec, speculative_canary, prefix)
         replay.looks.append(Look(look, round(fractions[-1], 4), requests_by_arm(look_records, plan.arms), gates))
         start = end
         reason = stop_after(look, fractions, plan, gates, cfg)
