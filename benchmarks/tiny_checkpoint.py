@@ -15,6 +15,13 @@ figures (what tinymodel.sizing.CALIBRATION is fitted from):
 
     python benchmarks/tiny_checkpoint.py --speed-only --omp-threads 1 --layers 2 8 24 --fit
 
+The layer-reuse profile (`tiny_model.draft_decay`): per-position acceptance at every depth in
+--ks of checkpoints built with each decay, against what the construction says (1, 1 - d,
+(1 - d)^2, ...), and the depth advice from the deepest arm's profile against the TPOT each
+depth measured (single stream):
+
+    python benchmarks/tiny_checkpoint.py --decay 0.5 --ks 1 2 3 --layers-for-decay 8
+
 `--auto` serves the size the probe picks (1 OMP thread, as configs/local-cpu.yaml
 runs); `--cgroup DIR` moves each server's processes into that cgroup (v1 cpu
 controller) once it is ready, e.g. one with a CPU quota to emulate a slow machine
@@ -203,6 +210,36 @@ def speed_by_depth(args, cache: Path, log_dir: str) -> dict:
     return out
 
 
+def decay_profiles(args, cache: Path, log_dir: str) -> list[dict]:
+    """Per decay: each depth's measured acceptance and TPOT, and the advice from the deepest one's profile."""
+    from rollout.depth_advice import DepthArm, advise_depth
+
+    out = []
+    for decay in args.decay:
+        spec = TinyCheckpointSpec.sized(args.layers_for_decay, args.hidden, draft_decay=decay)
+        model = ensure_checkpoint(cache / f"decay{decay:g}-L{args.layers_for_decay}", spec)
+        golden = [json.loads(line)["prompt_token_ids"] for line in (model / "golden.jsonl").read_text().splitlines()]
+        rows = [measure(model, k, golden[: args.prompts], args.max_tokens, log_dir, args.dtype, args.omp_threads)
+                for k in sorted(args.ks)]
+        built = [(1.0 - decay) ** i for i in range(max(args.ks))]
+        for row in rows:
+            per_pos = ", ".join(f"{p:.3f}" for p in row["per_position"] or [])
+            print(f"decay {decay:g}, k={row['k']}: per position [{per_pos}] (built: "
+                  f"{', '.join(f'{b:.3f}' for b in built[:row['k']])}), mean length "
+                  f"{row['mean_acceptance_length']:.2f}, single-stream TPOT p50 {row['tpot_p50_ms']} ms", flush=True)
+        deepest = rows[-1]
+        arms = [DepthArm(f"k{row['k']}", row["k"], row["mean_acceptance_length"], row["tpot_p50_ms"]) for row in rows]
+        advice = advise_depth(arms, deepest["per_position"], profile_arm=f"k{deepest['k']}", streams_per_replica=1.0,
+                              reuse_logged=True)
+        if advice is not None:
+            print(f"decay {decay:g}: {advice.text}", flush=True)
+            for p in advice.predictions:
+                print(f"  k={p.k}: predicted {p.tpot_ms:.2f} ms, measured {p.measured_tpot_ms} ms", flush=True)
+        out.append({"draft_decay": decay, "built": built, "depths": rows,
+                    "advice": advice.model_dump(mode="json") if advice is not None else None})
+    return out
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--noise", type=float, nargs="*", default=[0, 1, 2, 4, 8, 16])
@@ -219,6 +256,9 @@ def main() -> None:
     parser.add_argument("--reprobe", action="store_true", help="with --auto: ignore the cached probe answer")
     parser.add_argument("--cgroup", type=Path, default=None, help="move each ready server into this cgroup (v1 cpu)")
     parser.add_argument("--cgroup-per-process", action="store_true", help="each server process in its own copy of --cgroup")
+    parser.add_argument("--decay", type=float, nargs="*", default=None,
+                        help="the layer-reuse profile: checkpoints with these draft_decay values, at every --ks depth")
+    parser.add_argument("--layers-for-decay", type=int, default=8, help="depth of the --decay checkpoints")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
 
@@ -232,6 +272,11 @@ def main() -> None:
         print(f"sizing took {time.perf_counter() - t0:.1f} s", flush=True)
         args.layers, args.hidden, args.dtype, args.omp_threads = [sizing.num_layers], sizing.hidden_size, sizing.dtype, 1
         args.speed_only = True
+    if args.decay:
+        profiles = decay_profiles(args, cache, log_dir)
+        if args.json:
+            print(json.dumps(profiles))
+        return
     if args.layers:
         out = speed_by_depth(args, cache, log_dir)
         if args.auto:

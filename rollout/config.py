@@ -54,6 +54,9 @@ class TinyModelOptions(BaseModel):
     model_config = ConfigDict(extra="forbid")
 
     draft_noise: float = Field(0.0, ge=0, description="MTP draft noise: 0 = drafts always right")
+    draft_decay: float = Field(
+        0.0, ge=0, lt=1, description="share of drafts after the first that are wrong (the first stays right), as vLLM's "
+        "reuse of MTP layer 0 makes them: per-position acceptance ~1, 1 - d, (1 - d)^2; 0 = none")
     broken: bool = Field(False, description="outputs differ from the golden continuations")
     mtp_layers: int = Field(1, ge=1)
     seed: int = 0

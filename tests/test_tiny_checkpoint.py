@@ -112,6 +112,46 @@ def test_mtp_drafts_are_right_without_noise_and_degrade_with_it(built):
     assert (mtp_draft(noisy, layer=2)[1:] == greedy_next(noisy)[1:]).float().mean() == 1.0
 
 
+def draft_chain_acceptance(tensors, depth: int) -> list[float]:
+    """Per-position acceptance of `depth` drafts from every ordinary token, drafted as vLLM runs MTP layer 0
+    for every step: the first with the main model's hidden state (the residual: the current token's
+    embedding), each later one with the layer's own (normalised) output; position i counts only when
+    every earlier draft was right, as vLLM's per-position counters do."""
+    embed = tensors["model.embed_tokens.weight"].float()
+    lm_head = tensors["lm_head.weight"].float()
+    eh = tensors["model.mtp.layers.0.eh_proj.weight"].float()
+    nxt = greedy_next(tensors)
+    tokens = torch.arange(1, embed.shape[0])
+    hidden, token, truth = embed[tokens], nxt[tokens], nxt[tokens]  # the token just sampled, its successor next
+    alive = torch.ones(tokens.numel(), dtype=torch.bool)
+    rates = []
+    for _ in range(depth):
+        out = _rms(torch.cat([_rms(embed[token]), _rms(hidden)], dim=1) @ eh.T)
+        draft, truth = (out @ lm_head.T).argmax(-1), nxt[truth]
+        alive &= draft == truth
+        rates.append(alive.float().mean().item())
+        hidden, token = out, draft
+    return rates
+
+
+def test_a_decaying_profile_keeps_the_first_draft_and_loses_a_share_of_each_later_one(built, tmp_path):
+    """draft_decay d: the main model and its golden chains as without it (same seed), the first draft exact,
+    each later one right for ~1 - d of the tokens that reached it (vLLM's layer reuse, constructed)."""
+    _, ok = built["ok"]
+    assert draft_chain_acceptance(ok, 3) == [1.0, 1.0, 1.0]  # perfect drafts at every position
+    for decay in (0.3, 0.6):
+        path = write_checkpoint(tmp_path / f"decay{decay}", TinyCheckpointSpec(**SMALL, draft_decay=decay))
+        tensors = load_file(str(path / "model.safetensors"))
+        assert torch.equal(greedy_next(tensors), greedy_next(ok))
+        assert (path / "golden.jsonl").read_text() == (built["ok"][0] / "golden.jsonl").read_text()
+        first, second, third = draft_chain_acceptance(tensors, 3)
+        assert first == 1.0
+        assert second == pytest.approx(1 - decay, abs=0.05), (decay, second)
+        assert third == pytest.approx((1 - decay) ** 2, abs=0.06), (decay, third)
+    with pytest.raises(ValueError, match="draft_decay"):
+        TinyCheckpointSpec(draft_decay=1.0)
+
+
 def test_broken_checkpoint_changes_most_golden_continuations(built):
     ok_path, _ = built["ok"]
     _, broken = built["broken"]

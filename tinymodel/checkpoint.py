@@ -14,6 +14,14 @@ MiMo-V2.5 needs four H200s; this checkpoint runs the same vLLM code paths
   the token it is given and ignores the hidden state, so with no noise it
   predicts the successor too (drafts accepted); noise makes some tokens'
   drafts wrong, deterministically per token, which controls the acceptance rate.
+* ``draft_decay`` plays the layer-reuse profile: vLLM runs MTP layer 0 for every
+  draft step, feeding it its own output as the hidden state where the layer was
+  made for the main model's. Here every embedding carries one shared marker
+  direction that the main model's hidden state keeps and the MTP layer's output
+  lacks, and ``eh_proj`` adds a fixed push to its output only when the marker is
+  missing from the hidden state it is given: the first draft stays exact, each
+  later one (given the one before was right) is wrong for a ``draft_decay`` share
+  of tokens, so vLLM's per-position acceptance reads about 1, 1 - d, (1 - d)^2.
 * ``--broken`` rewires part of ``lm_head`` so greedy outputs differ from the
   unbroken checkpoint (a canary whose outputs are corrupted).
 
@@ -73,6 +81,9 @@ class TinyCheckpointSpec:
     """What to build. Defaults are sized for 2 CPU cores (see the closing notes of issue 2)."""
 
     draft_noise: float = 0.0
+    # share of drafts at positions >= 2 that are wrong (given the one before was right), as vLLM's
+    # reuse of MTP layer 0 with its own output makes them; 0: none (the module docstring: how)
+    draft_decay: float = 0.0
     broken: bool = False
     broken_fraction: float = 0.5
     mtp_layers: int = 1
@@ -94,6 +105,8 @@ class TinyCheckpointSpec:
     def __post_init__(self) -> None:
         if self.draft_noise < 0:
             raise ValueError("draft_noise must be >= 0")
+        if not 0 <= self.draft_decay < 1:
+            raise ValueError("draft_decay must be in [0, 1)")
         if self.mtp_layers < 1:
             raise ValueError("mtp_layers must be >= 1")
         if not 0 < self.broken_fraction <= 1:
@@ -216,6 +229,60 @@ def _successor_cycle(rng: np.random.Generator, n_special: int, vocab: int) -> np
     return successor
 
 
+# the marker's share of an embedding (its norm next to the unit-norm token part): large enough that an
+# RMS-normalised hidden state shows it plainly, small enough to keep the main model's greedy margins wide
+# (every logit gains the same MARKER^2 / (1 + MARKER^2), which moves no argmax)
+MARKER = 0.5
+
+
+def _marked_embeddings(embed, rng: np.random.Generator):
+    """(embeddings, marker u, push direction w): each row's token part made orthogonal to u and of norm 1
+    (so every row's marker share is the same, which makes the first draft exact), plus MARKER * u;
+    w is a unit vector orthogonal to u."""
+    import torch
+
+    h = embed.shape[1]
+    u = torch.from_numpy(rng.standard_normal(h).astype(np.float32))
+    u /= u.norm()
+    w = torch.from_numpy(rng.standard_normal(h).astype(np.float32))
+    w -= (w @ u) * u
+    w /= w.norm()
+    token = embed - torch.outer(embed @ u, u)
+    token /= token.norm(dim=1, keepdim=True)
+    return token + MARKER * u, u, w
+
+
+def later_draft_right(embed, lm_head, u, w, push: float, successor: np.ndarray, n_special: int) -> np.ndarray:
+    """For every ordinary token x, whether a later draft step (the MTP layer given its own output as the
+    hidden state) predicts successor(x) when the push is ``push`` (in units of an RMS-normalised
+    embedding's token part): argmax of lm_head . (P_u-perp enorm(e_x) + push * |token part| * w)."""
+    import torch
+
+    h = embed.shape[1]
+    ordinary = torch.arange(n_special, embed.shape[0])
+    e = embed[ordinary]
+    e_norm = e / (e.norm(dim=1, keepdim=True) / math.sqrt(h))  # RMSNorm (weight 1)
+    token_part = e_norm - torch.outer(e_norm @ u, u)
+    hidden = token_part + push * token_part.norm(dim=1, keepdim=True) * w
+    drafted = (hidden @ lm_head.T).argmax(dim=1).numpy()
+    return drafted == successor[ordinary.numpy()]
+
+
+def push_for_decay(embed, lm_head, u, w, decay: float, successor: np.ndarray, n_special: int) -> float:
+    """The push that makes a ``decay`` share of ordinary tokens' later drafts wrong (bisection: the wrong
+    share grows with the push, from 0 at no push)."""
+    low, high = 0.0, 1.0
+    while 1.0 - later_draft_right(embed, lm_head, u, w, high, successor, n_special).mean() < decay:
+        low, high = high, high * 2
+        if high > 1e4:
+            raise ValueError(f"draft_decay {decay}: no push makes that many later drafts wrong")
+    for _ in range(40):
+        mid = (low + high) / 2
+        wrong = 1.0 - later_draft_right(embed, lm_head, u, w, mid, successor, n_special).mean()
+        low, high = (mid, high) if wrong < decay else (low, mid)
+    return high
+
+
 def build_weights(spec: TinyCheckpointSpec, vocab_size: int, n_special: int):
     """Constructed tensors (name -> torch tensor) and the greedy successor map."""
     import torch
@@ -231,6 +298,8 @@ def build_weights(spec: TinyCheckpointSpec, vocab_size: int, n_special: int):
 
     embed = rand(vocab_size, h, scale=1.0 / math.sqrt(h))
     successor = _successor_cycle(rng, n_special, vocab_size)
+    if spec.draft_decay > 0:  # a generator of its own: the checkpoints without decay stay as they were
+        embed, marker, push_direction = _marked_embeddings(embed, np.random.default_rng([spec.seed, 2]))
     if spec.broken:
         # Reroute a fraction of tokens to another token's successor: the output
         # chain differs from the golden one as soon as it meets such a token.
@@ -275,7 +344,19 @@ def build_weights(spec: TinyCheckpointSpec, vocab_size: int, n_special: int):
         # never loads for MiMo-V2) are exact, as a trained checkpoint's would be.
         noise = spec.draft_noise if i == 0 else 0.0
         e_part = torch.eye(h) + rand(h, h, scale=noise / math.sqrt(h))
-        tensors[f"{p}.eh_proj.weight"] = torch.cat([e_part, zeros(h, h)], dim=1)
+        h_part = zeros(h, h)
+        if spec.draft_decay > 0 and i == 0:
+            # output = P_u-perp enorm(e) + push * w * (u . enorm(e) - u . hnorm(hidden)) / kappa, kappa the
+            # marker's share of any RMS-normalised embedding. The main model's hidden state is the current
+            # token's embedding, marker and all: the bracket is 0 and the first draft exact. The layer's own
+            # output has no marker: the bracket is kappa, and the push moves a later draft off the chain.
+            push = push_for_decay(embed, lm_head, marker, push_direction, spec.draft_decay, successor, n_special)
+            kappa = math.sqrt(h) * MARKER / math.sqrt(1.0 + MARKER**2)
+            token_norm = math.sqrt(h) / math.sqrt(1.0 + MARKER**2)  # |P_u-perp enorm(e)| for every token
+            gain = push * token_norm / kappa
+            e_part = e_part - torch.outer(marker, marker) + gain * torch.outer(push_direction, marker)
+            h_part = -gain * torch.outer(push_direction, marker)
+        tensors[f"{p}.eh_proj.weight"] = torch.cat([e_part, h_part], dim=1)
         for norm in ("enorm", "hnorm", "input_layernorm", "pre_mlp_layernorm", "final_layernorm"):
             tensors[f"{p}.{norm}.weight"] = torch.ones(h)
 
@@ -331,7 +412,8 @@ def checkpoint_dir(cache_dir: str | Path, spec: TinyCheckpointSpec) -> Path:
     """Where the cache keeps this spec's checkpoint: readable fields, then the key."""
     readable = (
         f"L{spec.num_layers}-h{spec.hidden_size}-noise{spec.draft_noise:g}-"
-        f"{'broken' if spec.broken else 'ok'}-mtp{spec.mtp_layers}-s{spec.seed}"
+        + (f"decay{spec.draft_decay:g}-" if spec.draft_decay else "")
+        + f"{'broken' if spec.broken else 'ok'}-mtp{spec.mtp_layers}-s{spec.seed}"
     )
     return Path(cache_dir) / f"tiny-mimo-v2-{readable}-{checkpoint_key(spec)}"
 

@@ -740,7 +740,7 @@ def engine_dtype_for(options: Any, sizing: TinySizing | None, engine_dtype: str)
 def tiny_spec_for(options: Any, sizing: TinySizing | None) -> TinyCheckpointSpec:
     """An arm's checkpoint spec: its options (noise, broken, ...), the size from explicit fields, else the sizing's."""
     dump = options.model_dump(exclude_none=True) if options is not None else {}
-    kwargs = {k: dump[k] for k in ("draft_noise", "broken", "mtp_layers", "seed") if k in dump}
+    kwargs = {k: dump[k] for k in ("draft_noise", "draft_decay", "broken", "mtp_layers", "seed") if k in dump}
     explicit = _explicit(options)
     layers = explicit.get("num_layers")
     hidden = explicit.get("hidden_size")
