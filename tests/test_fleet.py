@@ -533,10 +533,13 @@ def test_a_trace_replay_with_an_slo_and_the_prefix_cache_gate_reaches_a_decision
     data["accuracy"]["enabled"] = False
     data["experiment"].update(
         dataset="trace", dataset_path="loadtests/data/traces/sample.jsonl", trace_speedup=0.25, users_per_replica=4,
-        requests_per_look=20, requests_per_arm=120, max_duration_s=900,
+        requests_per_look=20, requests_per_arm=60, max_duration_s=900,
     )
     data["experiment"].pop("sweep")
-    data["gates"].update(slo={"ttft_s": 30.0, "e2e_s": 120.0}, goodput_max_decrease=0.1, prefix_cache_max_drop=0.2,
+    # margins wide enough for 60 requests per arm (at 0.05 / 0.1 the two gates needed ~100 per arm: 5 looks,
+    # 222 s of replay here and ~4x that at a quarter speed); what this run shows is that every gate is judged
+    data["gates"].update(slo={"ttft_s": 30.0, "e2e_s": 120.0}, goodput_max_decrease=0.2, error_rate_max_increase=0.2,
+                         prefix_cache_max_drop=0.2,
                          enabled=["error_rate_guard", "goodput_guard", "prefix_cache_guard", "sample_ratio"])
     config = tmp_path / "trace.yaml"
     config.write_text(yaml.safe_dump(data))
@@ -546,7 +549,7 @@ def test_a_trace_replay_with_an_slo_and_the_prefix_cache_gate_reaches_a_decision
     assert doc["decision"] == "promote", (doc["reason"], proc.stdout[-3000:])
     gates = {g["name"]: g for g in doc["gates"]}
     prefix = gates["prefix_cache_guard"]
-    assert prefix["verdict"] == "pass" and prefix["n_baseline"] > 10_000 and prefix["n_canary"] > 10_000, prefix
+    assert prefix["verdict"] == "pass" and prefix["n_baseline"] > 5_000 and prefix["n_canary"] > 5_000, prefix
     for arm in ("baseline", "canary"):
         kv = doc["arms"][arm]["kv"]
         assert kv["prefix_cache_hit_rate"] > 0.05, kv  # shared prefixes and sessions: hits on both arms
