@@ -108,6 +108,25 @@ def _gates(doc: dict[str, Any]) -> list[str]:
     return lines
 
 
+def _acceptance_slices(doc: dict[str, Any]) -> list[str]:
+    """Each speculating arm's acceptance by prompt length and by turn, where it varies (rollout.acceptance_slices)."""
+    rows = []
+    for arm, sd in doc["spec_decode"].items():
+        for kind in ("by_prompt_length", "by_turn"):
+            slices = sd.get(kind) or []
+            if len(slices) < 2:  # one slice is the arm's own figure again
+                continue
+            for s in slices:
+                per_pos = ", ".join(f"{p:.3f}" for p in s["per_position"]) or "n/a"
+                rows.append(f"| {arm} | {s['slice']} | {s['requests']} | {_num(s['drafts'], 0)} "
+                            f"| {_num(s['mean_acceptance_length'])} | {per_pos} |")
+    if not rows:
+        return []
+    return ["", "Acceptance by prompt length and by turn (the requests' own counters; descriptive, no gate):", "",
+            "| arm | slice | requests | drafts | mean acceptance length | per position |", "|---|---|---|---|---|---|",
+            *rows]
+
+
 def _spec_decode(doc: dict[str, Any]) -> list[str]:
     if not doc["spec_decode"]:
         return []
@@ -127,6 +146,7 @@ def _spec_decode(doc: dict[str, Any]) -> list[str]:
                          f"(mean acceptance length {_num(sd['server_mean_acceptance_length'])}, every client's).")
         if sd.get("other_traffic"):
             lines.append(f"\n**Warning**: {sd['other_traffic']}.")
+    lines += _acceptance_slices(doc)
     for arm, sd in doc["spec_decode"].items():
         if sd.get("expected_length_by_k"):
             by_k = ", ".join(f"k={k}: {_num(v)}" for k, v in sd["expected_length_by_k"].items())

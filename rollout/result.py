@@ -15,6 +15,7 @@ from typing import Any
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from rollout.acceptance_slices import AcceptanceSlice
 from rollout.config import RolloutConfig
 from rollout.crossover import Crossing, LevelResult
 from rollout.depth_advice import DepthAdvice
@@ -184,6 +185,10 @@ class SpecDecodeSummary(Summary):
     server_mean_acceptance_length: float | None = None
     other_traffic_steps: int | None = None  # server steps past the experiment's requests (None: not comparable)
     other_traffic: str | None = None  # the warning, when other traffic reached the arm
+    # where acceptance changes (rollout.acceptance_slices; descriptive): by prompt length, by multi_turn turn;
+    # empty where the requests carry no counters of their own
+    by_prompt_length: list[AcceptanceSlice] = Field(default_factory=list)
+    by_turn: list[AcceptanceSlice] = Field(default_factory=list)
 
 
 class UsageSummary(Summary):

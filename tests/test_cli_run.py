@@ -170,6 +170,13 @@ def test_bad_drafts_roll_back_on_latency_or_acceptance(tmp_path):
     assert_goodput_per_arm(doc, at_least=30)
     records = [json.loads(line) for line in (runs / "bad" / "experiment" / "records.jsonl").read_text().splitlines()]
     assert_sessions_in_order_on_both_arms(records, turns=3)
+    # where acceptance changes: the canary's own counters by turn (each turn's prompt holds the history) and
+    # by prompt length (16 words at turn 0, ~130 at turn 2: more than one bucket)
+    canary_sd = doc["spec_decode"]["canary"]
+    assert [s["slice"] for s in canary_sd["by_turn"]] == ["turn 0", "turn 1", "turn 2"], canary_sd["by_turn"]
+    assert all(s["requests"] > 0 and len(s["per_position"]) == 3 for s in canary_sd["by_turn"])
+    assert len(canary_sd["by_prompt_length"]) >= 2, canary_sd["by_prompt_length"]
+    assert sum(s["requests"] for s in canary_sd["by_turn"]) == sum(s["requests"] for s in canary_sd["by_prompt_length"])
     assert all(r["server_request_id"] == f"cmpl-{r['request_id']}" for r in records if r["ok"])
     assert wait_no_server_processes() == []
 

@@ -35,7 +35,8 @@ RUNS = sorted(p.name for p in RECORDED.iterdir() if (p / "decision.json").exists
 # what varies from run to run in the paths themselves: the probe's keys (layer counts it timed),
 # and the arg names a server logged as non-default (they follow the config and vLLM's version)
 VARIABLE_SUBTREES = ("prepare.tiny_model.",)
-VARIABLE_PATHS = re.compile(r"^arms\.[^.]+\.servers\.[^.]+\.non_default_args\.")
+# and the acceptance slices' items (none in a recorded run: its records had no counters of their own)
+VARIABLE_PATHS = re.compile(r"^arms\.[^.]+\.servers\.[^.]+\.non_default_args\.|^spec_decode\.[^.]+\.by_(prompt_length|turn)\[\]\.")
 
 
 def key_paths(value, prefix: str = "") -> set[str]:
@@ -61,7 +62,7 @@ ADDED_EXPERIMENT_FIELDS = {"arm_users": False, "warmup_requests_per_arm": 0, "wa
 ADDED_LOOK_PREFIX_CACHE = {"baseline": None, "canary": None}
 # whose acceptance each arm's spec_decode is (rollout.judge.request_acceptance), unknown in the recorded runs
 ADDED_SPEC_DECODE_FIELDS = {"counted_from": None, "server_drafts": None, "server_mean_acceptance_length": None,
-                            "other_traffic_steps": None, "other_traffic": None}
+                            "other_traffic_steps": None, "other_traffic": None, "by_prompt_length": [], "by_turn": []}
 ADDED_ENGINE_FIELDS = {"per_request_spec_decode_metrics": True}
 # what preflight records since of each replica's server (rollout.engine_parity.EngineRun)
 ADDED_SERVER_FIELDS = {"vllm_version": None, "non_default_args": {}, "unparsed": None}

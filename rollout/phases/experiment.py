@@ -14,6 +14,7 @@ from loadtests.health import percentile_ms
 from loadtests.records import RequestRecord
 from loadtests.swarm import SwarmSpec
 from rollout.config import TWIN
+from rollout.acceptance_slices import by_prompt_length, by_turn
 from rollout.depth_advice import DepthAdvice, DepthArm, advise_depth
 from rollout.judge.goodput import goodput_by_arm
 from rollout.phases.experiment_loop import LOAD_MARGIN_S, LOAD_STOP_TIMEOUT_S, ExperimentContext, ExperimentPhase
@@ -116,6 +117,7 @@ class Experiment:
                 server_mean_acceptance_length=server.mean_acceptance_length if server is not None else None,
                 other_traffic_steps=who.other_steps if who is not None else None,
                 other_traffic=who.note() if who is not None else None,
+                by_prompt_length=by_prompt_length(judged, arm), by_turn=by_turn(judged, arm),
             )
         ctx.result.experiment = ExperimentSummary(
             **outcome.summary,

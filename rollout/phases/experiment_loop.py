@@ -283,7 +283,9 @@ class ExperimentPhase:
             "information": round(self.fractions[-1], 4),
             "requests": requests_by_arm(look_records, self.arms),
             "verdicts": {g.name: g.verdict.value for g in self.gates},
-            "prefix_cache": {arm: counters[-1] for arm, counters in self.prefix_counters.items()},
+            # the counters read at this look (none where an arm was not read: unknown, as the gate has it)
+            "prefix_cache": {arm: counters[-1] if len(counters) == look else None
+                             for arm, counters in self.prefix_counters.items()},
         }
         self.look_summaries.append(summary)
         baseline = latency_samples(self.records, self.looks_of, BASELINE)
