@@ -77,6 +77,9 @@ class LookSummary(Summary):
     # look (null: not read, or a counter went backwards): `mtp-canary judge` replays the prefix-cache gate
     # from them, as its records hold no server counters. Absent ({}) in runs written before them.
     prefix_cache: dict[str, tuple[float, float] | None] = Field(default_factory=dict)
+    # each arm's share of this look's requests meeting gates.slo (an arm without requests in the look: null);
+    # absent without an SLO
+    goodput: dict[str, float | None] | None = None
 
 
 class SweepArm(Summary):
@@ -138,8 +141,10 @@ class ExperimentSummary(Summary):
     depth_advice: DepthAdvice | None = None
 
     def document(self) -> dict[str, Any]:
-        absent = {name for name in ("sweep", "sweep_crossover", "goodput", "noise_floor", "depth_advice")
-                  if getattr(self, name) is None}
+        absent: dict[str, Any] = {name: True for name in ("sweep", "sweep_crossover", "goodput", "noise_floor",
+                                                          "depth_advice") if getattr(self, name) is None}
+        if all(look.goodput is None for look in self.looks):  # no SLO: no per-look goodput, as no goodput
+            absent["looks"] = {"__all__": {"goodput"}}
         return self.model_dump(mode="json", exclude=absent or None)
 
 

@@ -48,6 +48,9 @@ def assert_goodput_per_arm(doc: dict, at_least: int) -> None:
     goodput = doc["experiment"]["goodput"]
     assert set(goodput) == {"baseline", "canary"}, goodput
     assert all(g["of"] >= at_least and g["share"] > 0.9 for g in goodput.values()), goodput
+    # and per look: each arm's share of that look's requests
+    looks = doc["experiment"]["looks"]
+    assert looks and all(set(look["goodput"]) == {"baseline", "canary"} for look in looks), looks
 
 
 def failed_gates(doc: dict) -> set[str]:

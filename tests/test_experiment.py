@@ -22,6 +22,7 @@ from cluster.router import RouterClient
 from loadtests.records import RequestRecord
 from loadtests.swarm import free_port
 from rollout.config import ExperimentConfig
+from rollout.judge.config import SloConfig
 from rollout.judge.verdicts import Verdict
 from rollout.phases.experiment_loop import LookPlan, duty_cycle
 from rollout.run_context import InfrastructureError
@@ -123,11 +124,14 @@ def test_a_small_effect_keeps_looking_to_the_plan(local_ray, tmp_path):
     with TargetProcess(ttft_ms=20, tpot_ms=20, tpot_jitter=0.3, seed=7) as baseline, \
             TargetProcess(ttft_ms=20, tpot_ms=17, tpot_jitter=0.3, seed=7) as canary:
         with routed(baseline.url, canary.url) as (router, url):
-            outcome, _, lines = run_experiment(tmp_path, router, url, exp, GATES)
+            # with an SLO every request meets (20 ms TTFT against 5 s): each look's goodput is reported per arm
+            gates = GATES.model_copy(update={"slo": SloConfig(ttft_s=5.0)})
+            outcome, _, lines = run_experiment(tmp_path, router, url, exp, gates)
     summary = outcome.summary
     looks = summary["looks"]
     assert len(looks) >= 2, lines
     assert looks[0]["verdicts"]["tpot_p50_improvement"] == "inconclusive"
+    assert all(look["goodput"] == {"baseline": 1.0, "canary": 1.0} for look in looks), looks
     # it stopped only on a verdict or at the plan's end, and never claimed the improvement absent
     assert verdicts(outcome)["tpot_p50_improvement"] != Verdict.FAIL
     assert verdicts(outcome)["tpot_p50_improvement"] == Verdict.PASS or summary["information"] == 1.0

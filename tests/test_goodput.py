@@ -278,7 +278,10 @@ def simulated_run(tmp_path: Path):
     starts = [0, *ends]
     looks = [LookSummary(look=k + 1, at=0.0, information=round(run.information[k], 4),
                          requests=requests_by_arm(records[starts[k]:ends[k]]),
-                         verdicts={g.name: g.verdict.value for g in gates}) for k, gates in enumerate(run.looks)]
+                         verdicts={g.name: g.verdict.value for g in gates},
+                         goodput={arm: g.share for arm, g in goodput_by_arm(records[starts[k]:ends[k]],
+                                                                            config.gates.goodput_slo).items()})
+             for k, gates in enumerate(run.looks)]
     summary = ExperimentSummary(
         looks=looks, planned_looks=plan.planned_looks, requests_per_look=40, requests_per_arm_planned=200,
         information=run.information[-1], requests=requests_by_arm(judged), records_after_last_look=len(records) - len(judged),
@@ -307,11 +310,14 @@ def test_decision_json_holds_each_arms_goodput_and_the_report_a_line_per_arm(tmp
     gate = {g["name"]: g for g in doc["gates"]}[GOODPUT_NAME]
     assert f"baseline {goodput['baseline']['share']:.3f} ({goodput['baseline']['met']}/{goodput['baseline']['of']})" in gate["detail"]
     assert all(GOODPUT_NAME in look["verdicts"] for look in doc["experiment"]["looks"])
+    # each look's own share per arm, where the experiment loop writes it (absent without an SLO: see below)
+    assert all(set(look["goodput"]) == {"baseline", "canary"} for look in doc["experiment"]["looks"])
     # read back unchanged (the typed result keeps it), and a document without an SLO has no goodput key
     again = decision_document(RunResult.from_document(doc, parse_config({**yaml.safe_load((REPO / "configs" / "local-cpu.yaml").read_text()), "gates": doc["gates_config"]}), tmp_path))
     assert again["experiment"]["goodput"] == goodput
-    plain = ExperimentSummary.model_validate({**doc["experiment"], "goodput": None}).document()
-    assert "goodput" not in plain
+    plain = ExperimentSummary.model_validate({**doc["experiment"], "goodput": None, "looks": [
+        {**look, "goodput": None} for look in doc["experiment"]["looks"]]}).document()
+    assert "goodput" not in plain and all("goodput" not in look for look in plain["looks"])
     report = markdown_report(doc)
     assert "Goodput (judged requests meeting the SLO: TTFT <= 0.3 s, TPOT <= 0.05 s; failed requests miss it):" in report
     assert f"- canary: {goodput['canary']['share']:.3f} ({goodput['canary']['met']} of {goodput['canary']['of']} requests)" in report

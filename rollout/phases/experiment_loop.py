@@ -43,6 +43,7 @@ from loadtests.records import RequestRecord
 from loadtests.swarm import SwarmError, SwarmResult, SwarmSpec
 from rollout.config import TWIN, ExperimentConfig
 from rollout.judge.config import GatesConfig
+from rollout.judge.goodput import goodput_by_arm
 from rollout.judge.experiment_looks import (
     LookPlan,
     completed,
@@ -286,6 +287,9 @@ class ExperimentPhase:
             # the counters read at this look (none where an arm was not read: unknown, as the gate has it)
             "prefix_cache": {arm: counters[-1] if len(counters) == look else None
                              for arm, counters in self.prefix_counters.items()},
+            # each arm's share of this look's requests meeting gates.slo (the gate judges all looks so far)
+            "goodput": None if ctx.gates.goodput_slo is None else {
+                arm: g.share for arm, g in goodput_by_arm(look_records, ctx.gates.goodput_slo).items()},
         }
         self.look_summaries.append(summary)
         baseline = latency_samples(self.records, self.looks_of, BASELINE)
