@@ -493,8 +493,7 @@ def build_parser() -> argparse.ArgumentParser:
     )
     make.add_argument("dir")
     make.add_argument("--draft-noise", type=float, default=0.0, help="noise on the MTP layer: 0 = drafts always accepted")
-    make.add_argument("--draft-decay", type=float, default=0.0,
-                      help="share of drafts after the first that are wrong, as vLLM's reuse of MTP layer 0 makes them")
+    make.add_argument("--draft-decay", type=float, default=0.0, help="share of drafts after the first that are wrong")
     make.add_argument("--broken", action="store_true", help="greedy outputs differ from the golden continuations")
     make.add_argument("--mtp-layers", type=int, default=1, help="MTP layers in the checkpoint (vLLM 0.32 loads only layer 0)")
     make.add_argument("--seed", type=int, default=0)
