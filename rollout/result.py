@@ -74,7 +74,7 @@ class LookSummary(Summary):
     requests: dict[str, int]
     verdicts: dict[str, str]
     # each arm's prefix-cache counters (hits, queried prompt tokens) since the looks began, read at this
-    # look (null: not read, or a counter went backwards): `mtp-canary judge` replays the prefix-cache gate
+    # look (null: not read there): `mtp-canary judge` replays the prefix-cache gate
     # from them, as its records hold no server counters. Absent ({}) in runs written before them.
     prefix_cache: dict[str, tuple[float, float] | None] = Field(default_factory=dict)
     # each arm's share of this look's requests meeting gates.slo (an arm without requests in the look: null);

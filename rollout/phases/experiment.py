@@ -13,8 +13,8 @@ from loadtests.console import TAB_TITLE, console_spec
 from loadtests.health import percentile_ms
 from loadtests.records import RequestRecord
 from loadtests.swarm import SwarmSpec
-from rollout.config import TWIN
 from rollout.acceptance_slices import by_prompt_length, by_turn
+from rollout.config import TWIN
 from rollout.depth_advice import DepthAdvice, DepthArm, advise_depth
 from rollout.judge.goodput import goodput_by_arm
 from rollout.phases.experiment_loop import LOAD_MARGIN_S, LOAD_STOP_TIMEOUT_S, ExperimentContext, ExperimentPhase

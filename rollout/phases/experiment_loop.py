@@ -43,7 +43,6 @@ from loadtests.records import RequestRecord
 from loadtests.swarm import SwarmError, SwarmResult, SwarmSpec
 from rollout.config import TWIN, ExperimentConfig
 from rollout.judge.config import GatesConfig
-from rollout.judge.goodput import goodput_by_arm
 from rollout.judge.experiment_looks import (
     LookPlan,
     completed,
@@ -54,6 +53,7 @@ from rollout.judge.experiment_looks import (
     stop_after,
     warmup_end,
 )
+from rollout.judge.goodput import goodput_by_arm
 from rollout.judge.noise_floor import NoiseFloor
 from rollout.judge.prefix_cache import PrefixCacheLooks
 from rollout.judge.request_acceptance import (
