@@ -57,6 +57,8 @@ def key_paths(value, prefix: str = "") -> set[str]:
 
 # experiment fields added since the runs were recorded, with their defaults: a run today writes them
 ADDED_CPU_FIELDS = {"worker_process": False}
+# tiny-model options added since (tiny_model.draft_decay: the layer-reuse profile)
+ADDED_TINY_MODEL_FIELDS = {"draft_decay": 0.0}
 ADDED_EXPERIMENT_FIELDS = {"arm_users": False, "warmup_requests_per_arm": 0, "warmup_requests": {}}
 # each look's prefix-cache counters per arm, recorded since (for `mtp-canary judge`'s prefix-cache gate)
 ADDED_LOOK_PREFIX_CACHE = {"baseline": None, "canary": None}
@@ -98,6 +100,9 @@ def recorded_document(run: str) -> dict:
                 doc["experiment"]["depth_advice"] = advice
     with_added_spec_decode_fields(doc)
     for record in doc.get("arms", {}).values():  # engine fields added since, at their defaults
+        if record.get("tiny_model"):
+            record["tiny_model"] = {**record["tiny_model"], **{
+                k: v for k, v in ADDED_TINY_MODEL_FIELDS.items() if k not in record["tiny_model"]}}
         if "engine" in record:
             record["engine"] = {**record["engine"], **{
                 k: v for k, v in ADDED_ENGINE_FIELDS.items() if k not in record["engine"]}}
