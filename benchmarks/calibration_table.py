@@ -126,6 +126,17 @@ def render(result: Mapping[str, Any], command: str, commit: str, machine: str) -
         lines += _table(["scenario", "false rollback", "trials"],
                         [[r["scenario"], _rate(r["false_rollback_rate"]) + _flag(r["false_rollback_rate"], bound),
                           str(r["trials"])] for r in result["goodput_aa"]])
+    if result.get("candidates"):
+        lines += ["", "## Several candidates", "",
+                  "K candidate arms beside the baseline in one closed loop, every one exactly at the objective's bar "
+                  "(guardrails quiet), each judged against the shared baseline at alpha / K (Bonferroni, "
+                  "`rollout.judge.candidates`): P(a winner is named) is the multi-candidate decision's false promote "
+                  "rate. `unadjusted`: the same trials judged at the whole alpha per candidate, the rate the split "
+                  "prevents.", ""]
+        lines += _table(["K", "scenario", "false promote", "unadjusted", "trials"],
+                        [[str(r["candidates"]), r["scenario"],
+                          _rate(r["false_promote_rate"]) + _flag(r["false_promote_rate"], bound),
+                          _rate(r["unadjusted_false_promote_rate"]), str(r["trials"])] for r in result["candidates"]])
     return "\n".join(lines) + "\n"
 
 

@@ -70,9 +70,14 @@ def test_the_result_has_the_published_keys_and_types(small_calibration):
         # the controller judges at least one look of requests_per_look and at most the plan plus a look's overshoot
         assert 40 <= row["mean_requests_per_arm"] <= 400 + 40
     assert set(result["decision"]) >= {"false_promote_rate", "false_rollback_rate"}
+    assert [(row["candidates"], row["scenario"]) for row in result["candidates"]] == list(calibrate.CANDIDATE_ROWS)
+    for row in result["candidates"]:
+        assert row["rule"] == "bonferroni" and row["candidate_alpha"] == pytest.approx(0.05 / row["candidates"])
+        assert 0.0 <= row["false_promote_rate"] <= row["unadjusted_false_promote_rate"] <= 1.0 and row["trials"] == TRIALS
     assert result["config"]["requests_per_look"] == 40 and result["config"]["requests_per_arm"] == 400
     table = format_table({**result, "wall_s": 1.0})
     assert "false promote" in table and "Pass at the limit" in table and "P(PROMOTE)" in table
+    assert "Several candidates" in table
 
 
 def test_one_seed_one_result_whatever_the_workers():
@@ -100,6 +105,9 @@ def test_a_judge_broken_on_purpose_is_caught(monkeypatch):
     monkeypatch.setattr(experiment_looks, "judge_latency", always_passes)
     broken = run_calibration(trials=TRIALS, seed=3, workers=1)
     assert all(row["false_promote_rate"] == 1.0 for row in broken["scenarios"])
+    # every candidate's objective passes, so a winner is named unless a guardrail is still undecided at alpha / K
+    assert all(row["false_promote_rate"] >= 0.75 for row in broken["candidates"])
+    assert all(row["false_promote_rate"] < 0.75 for row in honest["candidates"])
     assert honest["scenarios"][0]["false_promote_rate"] < 1.0  # iid at the bar
     assert next(r for r in broken["pass_at_limit"] if r["gate"] == OBJECTIVE_NAME)["pass_rate"] == 1.0
 
@@ -364,7 +372,8 @@ def test_the_calibration_page_shows_every_table_with_its_run(small_calibration, 
     path.write_text(json.dumps({**small_calibration, "wall_s": 12.5, "workers": 1}))
     assert calibration_table.main([str(path), "--commit", "abc123", "--machine", "test CPU"]) == 0
     page = capsys.readouterr().out
-    for heading in ("## Latency scenarios", "## Pass at the limit", "## Power", "## The whole decision", "## Noise floor"):
+    for heading in ("## Latency scenarios", "## Pass at the limit", "## Power", "## The whole decision", "## Noise floor",
+                    "## Several candidates"):
         assert heading in page
     assert f"--trials {TRIALS} --seed 11 --workers 1 --json" in page and "`abc123`" in page and "test CPU" in page
     assert "| arm_level_0.10 |" in page and "| aa_placement_0.8 |" in page

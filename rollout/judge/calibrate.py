@@ -45,6 +45,11 @@ Rows
   Holm's guardrail family (that family's rollback side holds its familywise rate at
   alpha over the TTFT/E2E p95 and error-rate guardrails): the experiment's A/A false
   rollback is bounded by alpha (Holm's family) + alpha (goodput), a union bound.
+* ``candidates``: per (K, scenario) of ``CANDIDATE_ROWS``, K candidate arms beside the
+  baseline in one closed loop, every one exactly at the objective's bar, each judged
+  against the shared baseline at alpha / K (``rollout.judge.candidates``):
+  ``false_promote_rate`` = P(a winner is named); ``unadjusted_false_promote_rate`` =
+  the same trials judged at alpha per candidate (the inflation the split prevents).
 
 Every rate is <= alpha by design on its promote side (intersection-union), so
 ``simulation_se`` (the binomial SE of a rate equal to alpha) says how far a
@@ -74,8 +79,9 @@ import pydantic
 from scipy import optimize
 from pydantic import Field
 
-from cluster.arms import CANARY
+from cluster.arms import BASELINE, CANARY
 from loadtests.records import RequestRecord
+from rollout.judge.candidates import CandidateResult, candidate_gates, choose_winner
 from rollout.judge.calibration_trial import (
     accuracy_skips_experiment,
     cumulative_canary_spec,
@@ -100,6 +106,7 @@ from rollout.judge.scenarios import (
     LatencyWorld,
     StreamShape,
     TrialSpec,
+    candidate_arms,
     goodput_boundary_spec,
     paired_items,
     simulate_records,
@@ -125,6 +132,10 @@ TWIN_POWER_RATIOS = (0.7,)
 PASSING_TPOT_RATIO = 0.7  # the objective comfortably passes while another gate sits at its limit
 GOODPUT_SCENARIO = "arm_level_0.10"  # the goodput gate at its margin: a per-look arm-level latency (correlated requests)
 CHUNK_TRIALS = 25  # trials per task handed to a worker
+# The several-candidates rows: (candidates, latency scenario), every candidate at the objective's bar. iid
+# gives the candidates the least in common (the baseline's requests are all they share: the most room for
+# "one of them passes by chance"); arm_level_0.10 adds each arm's per-look swing, the demo's machine.
+CANDIDATE_ROWS = ((2, "iid"), (3, "iid"), (3, "arm_level_0.10"))
 
 # The sections of configs/local-cpu.yaml (`make demo`) the calibration reads; tests check
 # that they equal what rollout.config.load_config makes of that file.
@@ -269,6 +280,9 @@ class TrialOutcome:
     decision: str
     requests_per_arm: float | None  # mean over the arms of completed requests judged; None without an experiment
     looks: int
+    # several candidates (TrialSpec.candidates > 1): the same trial's decision had every candidate been judged
+    # at the whole alpha (what the split across candidates prevents); None for one candidate
+    unadjusted_decision: str | None = None
 
 
 _TEMPLATE = RequestRecord(request_id="simulated", tag="experiment", worker="calibrate", sent_at=0.0, e2e_s=0.0, ok=True, status=200)
@@ -288,8 +302,57 @@ def _experiment(rng: np.random.Generator, design: CalibrationDesign, spec: Trial
     return run_experiment_looks(records, ends, plan, design.gates, spec_at, design.speculative_canary)
 
 
+def _as_canary(record: RequestRecord, candidate: str) -> RequestRecord:
+    """``record`` as the two-arm judge sees it: a record of ``candidate`` is the canary's."""
+    if record.arm != candidate or candidate == CANARY:
+        return record
+    return record.model_copy(update={"arm": CANARY, "pinned_arm": CANARY})
+
+
+def _candidates_trial(design: CalibrationDesign, spec: TrialSpec, rng: np.random.Generator) -> TrialOutcome:
+    """One run with ``spec.candidates`` candidates: the experiment's records of all arms in one closed
+    loop, each candidate judged against the shared baseline (its records relabelled as the canary's)
+    at its share of alpha (``candidates.candidate_gates``), the winner by ``candidates.choose_winner``;
+    the same records judged at the whole alpha give ``unadjusted_decision``."""
+    records = simulate_records(rng, design.latency, spec, design.shape, _TEMPLATE)
+    k = design.shape.speculative_tokens if design.speculative_canary else 0
+    split = candidate_gates(design.gates, spec.candidates)
+    results: dict[str, list[CandidateResult]] = {"split": [], "whole": []}
+    judged_requests, looks = [], 0
+    for arm in candidate_arms(spec.candidates):
+        pair = [_as_canary(r, arm) for r in records if r.arm in (BASELINE, arm)]
+        ok = [r.request_id for r in pair if r.arm == CANARY and r.ok]
+        if k > 0:
+            drafts, accepted = spec_decode_by_request(rng, len(ok), design.shape.output_tokens, k, spec.acceptance_length)
+        else:
+            drafts, accepted = np.zeros(len(ok)), np.zeros((len(ok), 0))
+        spec_at = cumulative_canary_spec(pair, ok, drafts, accepted)
+        ends = look_ends(pair, design.plan)
+        for key, cfg in (("split", split), ("whole", design.gates)):
+            run = run_experiment_looks(pair, ends, design.plan, cfg, spec_at, design.speculative_canary)
+            results[key].append(CandidateResult(arm, k, run.gates))
+            if key == "split":
+                judged_requests += list(run.requests.values())
+                looks = max(looks, len(run.looks))
+    # The experiment alone is simulated (as the scenarios rows: the accuracy phase's gates are not part of the
+    # question), so a candidate's decision is over the experiment gates the config enables.
+    judged = [g.name for g in results["split"][0].gates if is_enabled(g.name, design.gates)]
+    experiment_only = design.gates.model_copy(update={"enabled": judged})
+    split_choice = choose_winner(results["split"], experiment_only)
+    whole_choice = choose_winner(results["whole"], experiment_only)
+    return TrialOutcome(
+        verdicts={f"{result.name}:{g.name}": g.verdict.value for result in results["split"] for g in result.gates},
+        decision=split_choice.decision.value,
+        requests_per_arm=float(np.mean(judged_requests)) if judged_requests else None,
+        looks=looks,
+        unadjusted_decision=whole_choice.decision.value,
+    )
+
+
 def simulate_trial(design: CalibrationDesign, spec: TrialSpec, rng: np.random.Generator) -> TrialOutcome:
     """One canary run: the accuracy phase (when the spec and the config have it), then the experiment."""
+    if spec.candidates > 1:
+        return _candidates_trial(design, spec, rng)
     accuracy = experiment = None
     if spec.run_accuracy and design.accuracy_enabled:
         baseline, canary, canary_div, twin_div = paired_items(rng, design.eval_items, design.accuracy, spec, design.twin)
@@ -378,6 +441,8 @@ def trial_sets(design: CalibrationDesign) -> dict[str, TrialSpec]:
             sets[f"power/{ratio:g}"] = TrialSpec(tpot_ratio=ratio)
         for name, spec in _noise_floor_specs(design).items():
             sets[f"noise_floor/{name}"] = spec
+        for count, scenario in CANDIDATE_ROWS:
+            sets[f"candidates/{count}/{scenario}"] = TrialSpec(scenario=scenario, tpot_ratio=bar, candidates=count)
     for gate, spec in _limit_specs(design).items():
         sets["iid/at_bar" if gate == OBJECTIVE_NAME else f"limit/{gate}"] = spec
     cfg, world = design.gates, design.latency
@@ -514,6 +579,21 @@ def run_calibration(
         for name in LATENCY_SCENARIOS
         if design.experiment_enabled and design.gates.goodput_slo is not None and is_enabled(GOODPUT_NAME, design.gates)
     ]
+    candidates = [
+        {
+            "candidates": count,
+            "scenario": scenario,
+            "rule": "bonferroni",
+            "candidate_alpha": alpha / count,
+            "false_promote_rate": _rate(by_key[f"candidates/{count}/{scenario}"], lambda o: o.decision == Decision.PROMOTE.value),
+            "unadjusted_false_promote_rate": _rate(
+                by_key[f"candidates/{count}/{scenario}"], lambda o: o.unadjusted_decision == Decision.PROMOTE.value
+            ),
+            "trials": trials,
+        }
+        for count, scenario in CANDIDATE_ROWS
+        if f"candidates/{count}/{scenario}" in by_key
+    ]
     decisions = by_key["decision"]
     return {
         "alpha": alpha,
@@ -526,6 +606,7 @@ def run_calibration(
         "power": power,
         "noise_floor": noise_floor,
         "goodput_aa": goodput_aa,
+        "candidates": candidates,
         "decision": {
             "false_promote_rate": _rate(decisions, lambda o: o.decision == Decision.PROMOTE.value),
             "false_rollback_rate": _rate(decisions, lambda o: o.decision == Decision.ROLLBACK.value),
@@ -580,6 +661,15 @@ def format_table(result: Mapping[str, Any]) -> str:
         for row in result["goodput_aa"]:
             flag = "  <-- above alpha + 2 SE" if row["false_rollback_rate"] > bound else ""
             lines.append(f"  {row['scenario']:<20} {row['false_rollback_rate']:>14.4f}{flag}")
+    if result.get("candidates"):
+        lines += ["", "Several candidates, every one exactly at the objective's bar (guardrails quiet): P(a winner is named),",
+                  "each candidate judged at alpha / K (Bonferroni; rollout.judge.candidates), and the same trials judged at",
+                  "the whole alpha per candidate (no split: what it would be).",
+                  f"  {'K':>2} {'scenario':<20} {'false promote':>13} {'unadjusted':>10}"]
+        for row in result["candidates"]:
+            flag = "  <-- above alpha + 2 SE" if row["false_promote_rate"] > bound else ""
+            lines.append(f"  {row['candidates']:>2} {row['scenario']:<20} {row['false_promote_rate']:>13.4f} "
+                         f"{row['unadjusted_false_promote_rate']:>10.4f}{flag}")
     d = result["decision"]
     lines += ["", "The whole decision with every gate at its limit at once (accuracy phase, then the experiment):",
               f"  P(PROMOTE) {d['false_promote_rate']:.4f}   P(ROLLBACK) {d['false_rollback_rate']:.4f}"]

@@ -39,6 +39,11 @@ latency, its TPOT ``twin_tpot_ratio`` x the baseline's (1: a true A/A; below 1: 
 baseline's replica sits on slower cores than the twin's), in the same alternating ticket
 sequence; its draws come after the other two arms', so they are unchanged by it.
 
+Several candidates (``TrialSpec.candidates`` K > 1): K candidate arms (``candidate_arms``:
+the canary, then canary-2 ...), each with the canary's effects and its own draws, all in
+the same alternating ticket sequence as the baseline (a linked level links each of them
+to the baseline as it links the canary).
+
 Order and clock: ``users`` closed-loop streams; each sends its next request when the
 previous one ends; records come out in completion order with ``sent_at`` and
 ``e2e_s``, so the look rule runs on their clock as on a live run's.
@@ -83,6 +88,7 @@ __all__ = [
     "TrialSpec",
     "StreamShape",
     "simulate_records",
+    "candidate_arms",
     "goodput_share",
     "goodput_boundary_spec",
     "spec_decode_by_request",
@@ -150,10 +156,13 @@ class TrialSpec:
     run_accuracy: bool = False
     run_experiment: bool = True
     twin_tpot_ratio: float | None = None  # a twin baseline arm in the experiment, TPOT x this; None: no twin arm
+    candidates: int = 1  # candidate arms, each with the canary's effects (the first is CANARY; see candidate_arms)
 
     def __post_init__(self) -> None:
         if self.scenario not in LATENCY_SCENARIOS:
             raise ValueError(f"unknown scenario {self.scenario!r}; known: {', '.join(LATENCY_SCENARIOS)}")
+        if self.candidates < 1:
+            raise ValueError(f"candidates must be >= 1, got {self.candidates}")
 
 
 @dataclass(frozen=True)
@@ -165,6 +174,11 @@ class StreamShape:
     users_per_arm: int
     output_tokens: int
     speculative_tokens: int = 3
+
+
+def candidate_arms(candidates: int) -> tuple[str, ...]:
+    """The simulated candidate arms' names: CANARY, then canary-2, canary-3, ..."""
+    return (CANARY, *(f"{CANARY}-{i}" for i in range(2, candidates + 1)))
 
 
 # -- latency -------------------------------------------------------------------------
@@ -273,7 +287,8 @@ def simulate_records(
     alternate = spec.scenario != "unequal_n"
     # Sharing one alternating ticket sequence, an arm with requests_per_arm + every stream's
     # request sent has completed the plan; on its own loop the faster arm sends more.
-    arms = (BASELINE, CANARY, TWIN_ARM) if spec.twin_tpot_ratio is not None else (BASELINE, CANARY)
+    candidates = candidate_arms(spec.candidates)
+    arms = (BASELINE, CANARY, *((TWIN_ARM,) if spec.twin_tpot_ratio is not None else ()), *candidates[1:])
     users = len(arms) * shape.users_per_arm
     budget = shape.requests_per_arm + users + 2 if alternate else int(2.5 * shape.requests_per_arm) + 2 * users
     linked_sd, canary_sign = _linked_level(spec.scenario)
@@ -281,8 +296,8 @@ def simulate_records(
     linked = rng.normal(0.0, linked_sd, (budget - 1) // shape.requests_per_look + 1) if linked_sd > 0 else None
     latencies = {
         arm: _arm_latencies(
-            rng, budget, world, spec, shape, canary=(arm == CANARY), twin=(arm == TWIN_ARM),
-            linked_level=None if linked is None else (canary_sign if arm == CANARY else 1) * linked,
+            rng, budget, world, spec, shape, canary=(arm in candidates), twin=(arm == TWIN_ARM),
+            linked_level=None if linked is None else (canary_sign if arm in candidates else 1) * linked,
         )
         for arm in arms
     }

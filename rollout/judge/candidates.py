@@ -1,0 +1,135 @@
+"""Several candidates against one baseline: each candidate's error budget, and the winner (pure).
+
+A run with K candidate configs (say MTP k=2, k=3, k=4 beside a k=1 baseline) asks one
+question: which candidate, if any, to promote. A false promote is a winner that is no
+better than the objective's bar. Each candidate is judged against the baseline by the
+one-candidate procedure (every gate, every look, `verdicts.decide`); what changes is
+the level: every candidate is judged at ``alpha / K`` (`candidate_gates`).
+
+Why Bonferroni and not Holm's step-down or a gatekeeping order
+--------------------------------------------------------------
+With every candidate at the bar (the case the issue's calibration asks for), a false
+promote is "some candidate passes"; Holm's first step *is* Bonferroni, so the two
+give the same familywise rate there, and both hold it at alpha under any dependence
+between the candidates (they share the baseline's requests, so their estimates are
+positively correlated). Holm's later steps only add power once one candidate has
+already passed, and carrying that recycled alpha across looks is valid only when
+every hypothesis uses the same information fractions (group-sequential Holm), which
+candidates that stop at different looks do not. A gatekeeping order (k=2 before k=3)
+spends nothing on later candidates once an early one fails, the opposite of what a
+depth sweep needs (a too-shallow k can fail the bar while a deeper one passes).
+calibrate's ``candidates`` rows measure the rate with every candidate at the bar, and
+the same trials judged at the unadjusted alpha show why the split is needed.
+
+The winner
+----------
+Among the candidates whose own decision is PROMOTE, the lowest TPOT p50 ratio
+(candidate / baseline) wins; ratios within ``tie_tolerance`` (relative) of the best
+are a tie, and a tie goes to the cheaper candidate (fewer draft tokens per step: less
+draft compute and KV for the same speed). Every other candidate gets the reason it
+lost: the gates that failed, the gates still undecided, or the winner that beat it.
+The run's decision: PROMOTE with a winner; ROLLBACK when every candidate rolled back;
+INCONCLUSIVE otherwise (a candidate that might still pass was not decided).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from rollout.judge.config import GatesConfig
+from rollout.judge.names import OBJECTIVE_NAME
+from rollout.judge.verdicts import Decision, GateResult, Verdict, decide, is_enabled, missing_gates
+
+__all__ = ["TIE_TOLERANCE", "CandidateResult", "CandidateChoice", "candidate_gates", "choose_winner"]
+
+# Two candidates whose TPOT ratios differ by less than 2% are a tie: on shared CPU cores a
+# run's per-look TPOT swings by more than that (configs/local-cpu.yaml), and on a GPU 2% of
+# TPOT is worth less than the draft compute and KV a deeper speculation costs.
+TIE_TOLERANCE = 0.02
+
+
+def candidate_gates(cfg: GatesConfig, candidates: int) -> GatesConfig:
+    """The gates config each of ``candidates`` candidates is judged with: alpha split evenly (Bonferroni)."""
+    if candidates < 1:
+        raise ValueError(f"candidates must be >= 1, got {candidates}")
+    if candidates == 1:
+        return cfg
+    return cfg.model_copy(update={"alpha": cfg.alpha / candidates})
+
+
+@dataclass(frozen=True)
+class CandidateResult:
+    """One candidate's gates, judged against the baseline at its share of alpha."""
+
+    name: str
+    speculative_tokens: int  # draft tokens per step: the tie-break's cost
+    gates: Sequence[GateResult]
+
+    def decision(self, cfg: GatesConfig) -> Decision:
+        return decide(self.gates, cfg)
+
+    def tpot_ratio(self) -> float | None:
+        objective = next((g for g in self.gates if g.name == OBJECTIVE_NAME), None)
+        return None if objective is None else objective.estimate
+
+
+@dataclass(frozen=True)
+class CandidateChoice:
+    """The run's decision over all candidates, the winner (None unless PROMOTE) and each candidate's reason."""
+
+    decision: Decision
+    winner: str | None
+    reasons: dict[str, str]  # candidate name -> why it won or lost, in the candidates' order
+
+
+def _why_not_promoted(result: CandidateResult, cfg: GatesConfig) -> str:
+    gates = [g for g in result.gates if is_enabled(g.name, cfg)]
+    failed = [g.name for g in gates if g.verdict is Verdict.FAIL]
+    if failed:
+        return "rolled back: " + ", ".join(failed) + " failed"
+    undecided = [g.name for g in gates if g.verdict is Verdict.INCONCLUSIVE]
+    missing = missing_gates(result.gates, cfg)
+    return "inconclusive: " + ", ".join(undecided + [f"{name} not judged" for name in missing] or ["no gate judged"])
+
+
+def choose_winner(results: Sequence[CandidateResult], cfg: GatesConfig, tie_tolerance: float = TIE_TOLERANCE) -> CandidateChoice:
+    """The winner among ``results`` (each judged with ``candidate_gates(cfg, len(results))``; see the module docstring)."""
+    if not results:
+        raise ValueError("no candidates to choose from")
+    if len({r.name for r in results}) != len(results):
+        raise ValueError("candidate names must be unique")
+    decisions = {r.name: r.decision(cfg) for r in results}
+    passing = [r for r in results if decisions[r.name] is Decision.PROMOTE and r.tpot_ratio() is not None]
+    reasons = {r.name: _why_not_promoted(r, cfg) for r in results if decisions[r.name] is not Decision.PROMOTE}
+    # A PROMOTE without an objective estimate (the objective gate left out of gates.enabled) still passes, but
+    # cannot be ranked by speed: among such candidates only cost ranks them.
+    unranked = [r for r in results if decisions[r.name] is Decision.PROMOTE and r.tpot_ratio() is None]
+    if passing:
+        best = min(r.tpot_ratio() for r in passing)  # type: ignore[type-var]
+        tied = [r for r in passing if r.tpot_ratio() <= best * (1.0 + tie_tolerance)]  # type: ignore[operator]
+        winner = min(tied, key=lambda r: (r.speculative_tokens, r.tpot_ratio(), r.name))
+    elif unranked:
+        winner = min(unranked, key=lambda r: (r.speculative_tokens, r.name))
+    else:
+        winner = None
+    if winner is None:
+        every_rolled_back = all(d is Decision.ROLLBACK for d in decisions.values())
+        decision = Decision.ROLLBACK if every_rolled_back else Decision.INCONCLUSIVE
+        return CandidateChoice(decision, None, {r.name: reasons[r.name] for r in results})
+    ratio = winner.tpot_ratio()
+    won = "promoted" if ratio is None else f"promoted: TPOT p50 ratio {ratio:.3f}"
+    for r in results:
+        if r.name == winner.name:
+            reasons[r.name] = won
+        elif r.name not in reasons:
+            mine = r.tpot_ratio()
+            if mine is not None and ratio is not None and mine <= ratio * (1.0 + tie_tolerance):
+                reasons[r.name] = (f"passed, tied with {winner.name} (TPOT p50 ratio {mine:.3f} vs {ratio:.3f}, within "
+                                   f"{tie_tolerance:.0%}), which drafts fewer tokens ({winner.speculative_tokens} vs "
+                                   f"{r.speculative_tokens})")
+            elif mine is not None and ratio is not None:
+                reasons[r.name] = f"passed, but {winner.name} is faster (TPOT p50 ratio {ratio:.3f} vs {mine:.3f})"
+            else:
+                reasons[r.name] = f"passed, but {winner.name} was chosen (no TPOT estimate to rank by: fewer draft tokens first)"
+    return CandidateChoice(Decision.PROMOTE, winner.name, {r.name: reasons[r.name] for r in results})
