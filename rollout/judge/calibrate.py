@@ -519,6 +519,25 @@ def _other_gate_failed(outcome: TrialOutcome) -> bool:
     return any(v == "fail" for name, v in outcome.verdicts.items() if name != OBJECTIVE_NAME)
 
 
+def _candidate_rows(by_key: Mapping[str, Sequence[TrialOutcome]], alpha: float, trials: int) -> list[dict[str, Any]]:
+    """The several-candidates rows (see the module docstring), for the sets simulated."""
+    return [
+        {
+            "candidates": count,
+            "scenario": scenario,
+            "rule": "bonferroni",
+            "candidate_alpha": alpha / count,
+            "false_promote_rate": _rate(by_key[f"candidates/{count}/{scenario}"], lambda o: o.decision == Decision.PROMOTE.value),
+            "unadjusted_false_promote_rate": _rate(
+                by_key[f"candidates/{count}/{scenario}"], lambda o: o.unadjusted_decision == Decision.PROMOTE.value
+            ),
+            "trials": trials,
+        }
+        for count, scenario in CANDIDATE_ROWS
+        if f"candidates/{count}/{scenario}" in by_key
+    ]
+
+
 def run_calibration(
     design: CalibrationDesign | None = None,
     trials: int = 2000,
@@ -579,21 +598,7 @@ def run_calibration(
         for name in LATENCY_SCENARIOS
         if design.experiment_enabled and design.gates.goodput_slo is not None and is_enabled(GOODPUT_NAME, design.gates)
     ]
-    candidates = [
-        {
-            "candidates": count,
-            "scenario": scenario,
-            "rule": "bonferroni",
-            "candidate_alpha": alpha / count,
-            "false_promote_rate": _rate(by_key[f"candidates/{count}/{scenario}"], lambda o: o.decision == Decision.PROMOTE.value),
-            "unadjusted_false_promote_rate": _rate(
-                by_key[f"candidates/{count}/{scenario}"], lambda o: o.unadjusted_decision == Decision.PROMOTE.value
-            ),
-            "trials": trials,
-        }
-        for count, scenario in CANDIDATE_ROWS
-        if f"candidates/{count}/{scenario}" in by_key
-    ]
+    candidates = _candidate_rows(by_key, alpha, trials)
     decisions = by_key["decision"]
     return {
         "alpha": alpha,
