@@ -58,6 +58,9 @@ def test_a_tie_goes_to_the_candidate_that_drafts_fewer_tokens():
     choice = choose_winner([candidate("k3", 3, 0.700), candidate("k2", 2, 0.710)], CFG)
     assert choice.winner == "k2"  # 0.710 is within 2% of 0.700
     assert choice.reasons["k3"].startswith("passed, tied with k2 (TPOT p50 ratio 0.700 vs 0.710, within 2%)")
+    # within the tolerance at the same cost, the faster one wins and the other is told so
+    same_cost = choose_winner([candidate("a", 3, 0.700), candidate("b", 3, 0.705)], CFG)
+    assert same_cost.winner == "a" and same_cost.reasons["b"] == "passed, but a is faster (TPOT p50 ratio 0.700 vs 0.705)"
     # beyond the tolerance the faster one wins whatever it costs
     assert choose_winner([candidate("k3", 3, 0.70), candidate("k2", 2, 0.75)], CFG).winner == "k3"
     assert choose_winner([candidate("k3", 3, 0.70), candidate("k2", 2, 0.75)], CFG, tie_tolerance=0.1).winner == "k2"

@@ -105,6 +105,7 @@ def choose_winner(results: Sequence[CandidateResult], cfg: GatesConfig, tie_tole
     # A PROMOTE without an objective estimate (the objective gate left out of gates.enabled) still passes, but
     # cannot be ranked by speed: among such candidates only cost ranks them.
     unranked = [r for r in results if decisions[r.name] is Decision.PROMOTE and r.tpot_ratio() is None]
+    tied: list[CandidateResult] = []
     if passing:
         best = min(r.tpot_ratio() for r in passing)  # type: ignore[type-var]
         tied = [r for r in passing if r.tpot_ratio() <= best * (1.0 + tie_tolerance)]  # type: ignore[operator]
@@ -124,7 +125,7 @@ def choose_winner(results: Sequence[CandidateResult], cfg: GatesConfig, tie_tole
             reasons[r.name] = won
         elif r.name not in reasons:
             mine = r.tpot_ratio()
-            if mine is not None and ratio is not None and mine <= ratio * (1.0 + tie_tolerance):
+            if r.name in {t.name for t in tied} and r.speculative_tokens > winner.speculative_tokens:
                 reasons[r.name] = (f"passed, tied with {winner.name} (TPOT p50 ratio {mine:.3f} vs {ratio:.3f}, within "
                                    f"{tie_tolerance:.0%}), which drafts fewer tokens ({winner.speculative_tokens} vs "
                                    f"{r.speculative_tokens})")
