@@ -21,7 +21,7 @@ wait for each server's /health.
 from __future__ import annotations
 
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Collection
 from dataclasses import dataclass, field
 from typing import Any
 from pathlib import Path
@@ -435,10 +435,41 @@ class Fleet:
         return answers
 
     # -- stop ------------------------------------------------------------------
+    def hand_over(self, arm: str, to: str) -> None:
+        """Arm `arm`'s replicas serve as arm `to` from now on (several candidates: the winner takes
+        the canary's place, so everything that asks for the canary's replicas finds them)."""
+        if any(a.name == to for a in self.arms):
+            raise ValueError(f"arm {to!r} already has replicas")
+        self.arms = [a.model_copy(update={"name": to}) if a.name == arm else a for a in self.arms]
+        for r in self.replicas:
+            if r.arm == arm:
+                r.arm = to
+
+    def retire(self, arms: Collection[str]) -> None:
+        """Stop the replicas of `arms` (their logs copied back first) while the others serve on. On GPU
+        their bundles stay in the run's placement group until teardown (a group is removed whole)."""
+        gone = [r for r in self.replicas if r.arm in arms]
+        keep = [r for r in self.replicas if r.arm not in arms]
+        if not gone:
+            return
+        self.replicas = gone
+        try:
+            self._stop_replicas()
+        finally:
+            self.replicas = keep
+            self.arms = [a for a in self.arms if a.name not in arms]
+
     def teardown(self) -> None:
         """Stop every server (SIGTERM then SIGKILL), kill the actors, free the GPUs."""
         if not self.replicas and self._placement_group is None:
             return
+        self._stop_replicas()
+        if self._placement_group is not None:
+            remove_placement_group(self._placement_group)
+            self._placement_group = None
+        self.replicas = []
+
+    def _stop_replicas(self) -> None:
         pending = [(r, r.actor.stop.remote()) for r in self.replicas]
         # Wait for every stop before killing any actor: Ray kills a dead actor's
         # child processes, and a stop cut short would orphan the engine processes.
@@ -451,12 +482,8 @@ class Fleet:
         self.copy_logs_back()
         for r in self.replicas:
             kill_quietly(r.actor)
-        if self._placement_group is not None:
-            remove_placement_group(self._placement_group)
-            self._placement_group = None
         if self.replicas:
             self.progress(f"fleet: stopped {len(self.replicas)} replica(s)")
-        self.replicas = []
 
     def copy_logs_back(self) -> None:
         """Each replica's server log into logs_back_to/<replica>.log, read by its actor on its node (a

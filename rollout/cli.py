@@ -241,7 +241,7 @@ def _resume_config(args: argparse.Namespace, run: dict) -> RolloutConfig | None:
                 print(f"mtp-canary resume: run {args.run_id}'s config has secrets, which are never stored: "
                       "give its config file again with --config FILE", file=sys.stderr)
                 return None
-            return parse_config(stored)
+            return _resumable(parse_config(stored), args.run_id)
         config = load_config(args.config)
     except (ConfigError, ValueError) as exc:
         print(f"mtp-canary resume: the config of {args.run_id} does not validate: {exc}", file=sys.stderr)
@@ -249,6 +249,14 @@ def _resume_config(args: argparse.Namespace, run: dict) -> RolloutConfig | None:
     given = redact_config(config.model_dump(mode="json"))
     if json.dumps(given, sort_keys=True) != json.dumps(stored, sort_keys=True):
         print(f"mtp-canary resume: --config {args.config} is not the config run {args.run_id} started with", file=sys.stderr)
+        return None
+    return _resumable(config, args.run_id)
+
+
+def _resumable(config: RolloutConfig, run_id: str) -> RolloutConfig | None:
+    if config.candidates:  # which candidate holds the canary's seat is not part of the resume point
+        print(f"mtp-canary resume: run {run_id} has candidates, and a run with candidates cannot be resumed: "
+              "start it again", file=sys.stderr)
         return None
     return config
 
@@ -320,8 +328,11 @@ def _arms_of(config_json: str | None) -> str:
     except ValueError:
         return "?"
     parts = []
-    for arm in ("baseline", "canary"):
-        spec = config.get(arm) or {}
+    arms = [("baseline", config.get("baseline"))] + (
+        [(c.get("name", "?"), c) for c in config["candidates"] if isinstance(c, dict)]
+        if isinstance(config.get("candidates"), list) and config["candidates"] else [("canary", config.get("canary"))])
+    for arm, spec in arms:
+        spec = spec if isinstance(spec, dict) else {}
         engine = spec.get("engine") or {}
         k = (engine.get("speculative_config") or {}).get("num_speculative_tokens", 0) or 0
         parts.append(f"{arm} k={k} x{spec.get('replicas', 1)}")

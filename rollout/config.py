@@ -15,6 +15,7 @@ from urllib.parse import urlsplit
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
+from cluster.arms import BASELINE, CANARY
 from cluster.engine_spec import EngineSpec
 from cluster.placement import (
     CPU_PLACEMENT_TIMEOUT_S,
@@ -383,6 +384,21 @@ class ExperimentConfig(BaseModel):
         return self
 
 
+MAX_CANDIDATES = 8
+
+
+class CandidateConfig(ArmConfig):
+    """One candidate of a several-candidates run (`candidates:`): an arm and the name its replicas,
+    records and verdicts carry (decision.json candidates[].name, the winner)."""
+
+    name: str = Field(..., pattern=r"^[a-z][a-z0-9_-]{0,31}$",
+                      description="the candidate's arm name, e.g. k2 (lowercase letters, digits, - and _)")
+
+    def arm(self) -> ArmConfig:
+        """The arm config without the name: what takes the canary's place when this candidate wins."""
+        return ArmConfig.model_validate(self.model_dump(exclude={"name"}))
+
+
 class RolloutStep(BaseModel):
     """One traffic step of the progressive phase (Argo Rollouts' setWeight + pause)."""
 
@@ -454,6 +470,12 @@ class RolloutConfig(BaseModel):
     ray: RayConfig = Field(default_factory=RayConfig)
     baseline: ArmConfig
     canary: ArmConfig
+    candidates: list[CandidateConfig] = Field(
+        default_factory=list,
+        max_length=MAX_CANDIDATES,
+        description="several candidate arms judged at once against the baseline (instead of canary), each at alpha / K; "
+        "the winner is rolled out (rollout.judge.candidates)",
+    )
     twin_baseline: bool = Field(False, description="start a second baseline arm: the A/A noise floor of divergence")
     accuracy: AccuracyConfig = Field(default_factory=AccuracyConfig)
     experiment: ExperimentConfig = Field(default_factory=ExperimentConfig)
@@ -504,6 +526,84 @@ class RolloutConfig(BaseModel):
         "(time to `mtp-canary resume RUN_ID`); then they stop themselves",
     )
 
+    @model_validator(mode="before")
+    @classmethod
+    def _candidates_take_the_canary_seat(cls, data: Any) -> Any:
+        # With candidates the canary's seat (the arm the router's canary weight and a promotion go
+        # to) is empty until one wins; it starts as the first candidate's config, so every check of
+        # `canary` also holds for it. A stored config (decision.json) carries that copy: accepted.
+        if not isinstance(data, dict) or not isinstance(data.get("candidates"), list) or not data["candidates"]:
+            return data
+        first = data["candidates"][0]
+        if not isinstance(first, dict):
+            return data
+        seat = {k: v for k, v in first.items() if k != "name"}
+        if "canary" in data and data["canary"] != seat:
+            raise ValueError("canary and candidates exclude each other: list every candidate under candidates "
+                             "(canary is the one-candidate form)")
+        return {**data, "canary": seat}
+
+    @property
+    def experiment_arms(self) -> tuple[str, ...]:
+        """The arms the accuracy items and the experiment's pinned traffic go to, in turn."""
+        if self.candidates:
+            return (BASELINE, *(c.name for c in self.candidates))
+        return (BASELINE, CANARY, TWIN) if self.twin_baseline else (BASELINE, CANARY)
+
+    def arm(self, name: str) -> ArmConfig:
+        """The config of arm `name` (the twin is a second baseline; a candidate by its name)."""
+        if name in (BASELINE, TWIN):
+            return self.baseline
+        if name == CANARY:
+            return self.canary
+        for candidate in self.candidates:
+            if candidate.name == name:
+                return candidate
+        raise KeyError(name)
+
+    @model_validator(mode="after")
+    def _candidates_fit(self) -> "RolloutConfig":
+        if not self.candidates:
+            return self
+        if len(self.candidates) < 2:
+            raise ValueError("candidates: list at least two (one candidate is the canary: write it under canary)")
+        names = [c.name for c in self.candidates]
+        taken = {BASELINE, CANARY, TWIN}
+        for i, name in enumerate(names):
+            if name in taken:
+                raise ValueError(f"candidates.{i}.name: {name!r} is taken (baseline, canary, twin, or an earlier "
+                                 "candidate): give each candidate a name of its own")
+            taken.add(name)
+        for i, candidate in enumerate(self.candidates):
+            where = f"candidates.{i} ({candidate.name})"
+            if candidate.replicas != self.baseline.replicas:
+                raise ValueError(f"{where}: replicas {candidate.replicas} and baseline.replicas "
+                                 f"{self.baseline.replicas} must be equal (compare like with like)")
+            if candidate.engine.served_model_name != self.baseline.engine.served_model_name:
+                raise ValueError(f"{where}: must serve the baseline's served_model_name (one router, one model name)")
+            if not candidate.launched:
+                raise ValueError(f"{where}.endpoints: candidates are started by the run; judge servers that run "
+                                 "elsewhere one at a time, as canary")
+        # not built for several candidates yet: each would need its own A/A floor, sweep levels or replay
+        if self.twin_baseline:
+            raise ValueError("twin_baseline with candidates is not supported: run the A/A noise floor with one canary")
+        if self.experiment.sweep.enabled:
+            raise ValueError("experiment.sweep with candidates is not supported: sweep the winner with one canary")
+        if not self.accuracy.enabled and not self.experiment.enabled:
+            raise ValueError("candidates with accuracy and experiment disabled: nothing would choose the winner")
+        if self.baseline.endpoints:
+            raise ValueError("baseline.endpoints with candidates is not supported: the candidates' load would share "
+                             "servers this run does not own")
+        differences = {
+            c.name: engine_parity.engine_differences(self.baseline.engine, c.engine, self.baseline.tiny_model,
+                                                     c.tiny_model)
+            for c in self.candidates[1:]  # the first is the canary's seat: _engine_parity checks it
+        }
+        error = engine_parity.parity_error(differences, self.experiment.under_test)
+        if error:
+            raise ValueError(error)
+        return self
+
     @model_validator(mode="after")
     def _like_with_like(self) -> "RolloutConfig":
         # Kayenta's rule: judge arms of the same size under the same load.
@@ -527,12 +627,13 @@ class RolloutConfig(BaseModel):
         exp = self.experiment
         if exp.dataset == "trace" and self.progressive.enabled and self.progressive.rate:
             raise ValueError("progressive.rate with experiment.dataset: trace: the trace sets its own send times")
-        users = exp.users_per_replica * 2 * self.canary.replicas
-        if exp.arm_users and users % (2 * max(exp.workers, 1)):
+        arms = 2 + len(self.candidates[1:])
+        users = exp.users_per_replica * arms * self.canary.replicas
+        if exp.arm_users and users % (arms * max(exp.workers, 1)):
             # each Locust process balances its own users over the arms: an odd share leaves one arm a stream short
             raise ValueError(
                 f"experiment.arm_users: the {users} users must split evenly over {max(exp.workers, 1)} Locust "
-                "worker(s) and 2 arms (change users_per_replica or workers)"
+                f"worker(s) and {arms} arms (change users_per_replica or workers)"
             )
         return self
 
@@ -561,7 +662,8 @@ class RolloutConfig(BaseModel):
         # staging downloads in a Ray task with the job's runtime environment: a token in an engine's
         # env would never reach it (and the engines start offline)
         if self.model_cache:
-            for side, arm in (("baseline", self.baseline), ("canary", self.canary)):
+            named = [("baseline", self.baseline), ("canary", self.canary)]
+            for side, arm in named + [(f"candidates.{i}", c) for i, c in enumerate(self.candidates)]:
                 for key in ("HF_TOKEN", "HUGGING_FACE_HUB_TOKEN", "HF_HOME"):
                     if key in arm.engine.env:
                         raise ValueError(f"{side}.engine.env.{key}: with model_cache the weights are staged with the "
@@ -580,7 +682,7 @@ class RolloutConfig(BaseModel):
         # their sum gives up on a start still within its limits (MiMo-V2.5: 1800 s of engine start
         # under a 900 s fleet clock burnt 12 H200 x 15 min). Filled in here, so decision.json,
         # `plan` and the fleet all see the numbers the run uses.
-        arms = (self.baseline, self.canary)
+        arms = (self.baseline, self.canary, *self.candidates)
         for arm in arms:
             if arm.cpus_per_replica is None:
                 arm.cpus_per_replica = default_cpus_per_replica(arm.engine) if arm.launched else 0.0

@@ -8,6 +8,7 @@
     accuracy     identical greedy items to every arm in batches, judged after each
     experiment   one continuous Locust load, both arms pinned alternately, looks by evidence
     sweep        both arms at several load levels (reported, no gate)
+    candidates   (config candidates) the winner takes the canary's place, the losers stop
     decide       PROMOTE | ROLLBACK | INCONCLUSIVE, committed before it is acted on
     progressive  canary weight steps with guard windows (when configured)
     finish       the router sends 100% to the winner
@@ -43,6 +44,7 @@ from rollout.config import RolloutConfig
 from rollout.judge.verdicts import Decision
 from rollout.live_metrics import ROUTER_TIMEOUT_S, LiveMetrics
 from rollout.phases.accuracy import Accuracy
+from rollout.phases.candidates import ChooseCandidate
 from rollout.phases.decide import Decide, Finish, RestoreJudgement
 from rollout.phases.experiment import Experiment
 from rollout.phases.phase import Phase
@@ -61,8 +63,8 @@ from rollout.webhook import post_decision
 from tinymodel.checkpoint import DEFAULT_CACHE
 
 PHASES: tuple[Phase, ...] = (
-    Prepare(), StartFleet(), Preflight(), RestoreJudgement(), Accuracy(), Experiment(), Sweep(), Decide(),
-    Progressive(), Finish(),
+    Prepare(), StartFleet(), Preflight(), RestoreJudgement(), Accuracy(), Experiment(), Sweep(), ChooseCandidate(),
+    Decide(), Progressive(), Finish(),
 )
 
 
@@ -88,6 +90,9 @@ class Controller:
         if problem:  # a path component and a Ray namespace: never `../x`
             raise ValueError(problem)
         store = RunStore(runs_dir / "history.db")
+        if resume and config.candidates:
+            # the canary's seat (which candidate won, the losers stopped) is not part of the resume point yet
+            raise ValueError("resume: a run with candidates cannot be resumed; start it again")
         point = load_resume_point(store, run_id) if resume else ResumePoint.fresh()
         result = RunResult(run_id=run_id, run_dir=runs_dir / run_id, config=config)
         self.ctx = RunContext(

@@ -7,6 +7,11 @@ carrying the gate's detail; an inconclusive gate, or a verdict this file does no
 <error>: a pipeline must never read "not decided" as a pass, and reporters that show skips as
 green would do exactly that. The decision case passes only on promote, fails on rollback and
 errors on inconclusive or an infrastructure error.
+
+A run with several candidates adds one "candidate NAME" case each (classname
+mtp-canary.candidates), its message the reason it won or lost: with a winner, every
+candidate passes (losing to a better candidate is the selection working; the winner's gates
+are the run's `gates`); without one, each candidate's case carries its own verdict.
 """
 
 from __future__ import annotations
@@ -62,6 +67,11 @@ def junit_xml(doc: dict[str, Any]) -> str:
         phase = gate.get("phase") or gate.get("metric") or "gate"
         outcomes.append(_case(suite, str(gate.get("name") or "unnamed gate"), f"{SUITE}.{phase}", outcome, _gate_message(gate)))
     decision = doc.get("decision")
+    for candidate in doc.get("candidates") or []:
+        own = {"promote": "passed", "rollback": "failure"}.get(candidate.get("decision"), "error")
+        outcome = "passed" if doc.get("winner") and decision == "promote" else own
+        message = f"{candidate.get('decision')} at alpha {candidate.get('alpha')}: {candidate.get('reason')}"
+        outcomes.append(_case(suite, f"candidate {candidate.get('name')}", f"{SUITE}.candidates", outcome, message))
     reason = " ".join(str(doc.get("reason") or "").split())
     message = f"{decision or 'error'} (exit {doc.get('exit_code')}) run {run_id}: {reason}".rstrip(": ")
     decided = {"promote": "passed", "rollback": "failure"}.get(decision, "error") if not doc.get("error") else "error"

@@ -114,6 +114,8 @@ def _arms(cfg) -> list[tuple[str, Any]]:
     from cluster.arms import BASELINE, CANARY
     from rollout.config import TWIN
 
+    if cfg.candidates:
+        return [(BASELINE, cfg.baseline)] + [(c.name, c) for c in cfg.candidates]
     arms = [(BASELINE, cfg.baseline), (CANARY, cfg.canary)]
     return arms + [(TWIN, cfg.baseline)] if cfg.twin_baseline else arms
 

@@ -211,6 +211,8 @@ def load_input(arg: str, run_config: Any | None) -> JudgeInput:
         records = read_records(path / RECORDS)
     else:
         records = read_records(path)
+    if (doc is not None and doc.get("candidates")) or (run_config is not None and run_config.candidates):
+        raise BadInput(f"{arg}: a run with candidates: judge replays one canary against the baseline, not several")
     notes: list[str] = []
     default_plan = LookPlan.of(ExperimentConfig())
     if run_config is not None:

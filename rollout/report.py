@@ -12,6 +12,7 @@ from pydantic import ValidationError
 
 from rollout.atomic_file import write_atomically
 from rollout.judge.config import SloConfig
+from rollout.judge.names import OBJECTIVE_NAME
 from rollout.load_sweep import crossover_line, sweep_table
 from rollout.pipeline_artifacts import write_pipeline_artifacts
 from rollout.report_html import write_html_report
@@ -29,7 +30,7 @@ def _num(value: Any, digits: int = 3) -> str:
 def markdown_report(doc: dict[str, Any]) -> str:
     """report.md: decision.json for people, section by section."""
     lines: list[str] = []
-    for section in (_arms, _gates, _spec_decode, _latency, _sweep, _progressive, _accuracy, _engine_warnings, _timeline):
+    for section in (_arms, _candidates, _gates, _spec_decode, _latency, _sweep, _progressive, _accuracy, _engine_warnings, _timeline):
         lines += section(doc)
     return "\n".join(lines) + "\n"
 
@@ -67,6 +68,24 @@ def _arms(doc: dict[str, Any]) -> list[str]:
     return lines
 
 
+def _candidates(doc: dict[str, Any]) -> list[str]:
+    """A run with candidates: each one's verdict at its share of alpha, and why it won or lost."""
+    candidates = doc.get("candidates")
+    if not candidates:
+        return []
+    lines = ["", f"## Candidates (winner: {doc.get('winner') or 'none'})", "",
+             "Each candidate is judged against the baseline at alpha / K (Bonferroni); the winner has the lowest "
+             "TPOT p50 ratio among those that passed (within 2%: the one drafting fewer tokens).", "",
+             "| candidate | draft tokens | alpha | verdict | TPOT p50 ratio | why |", "|---|---|---|---|---|---|"]
+    for c in candidates:
+        ratio = next((g["estimate"] for g in c["gates"] if g["name"] == OBJECTIVE_NAME), None)
+        lines.append(f"| {c['name']} | {c['speculative_tokens']} | {_num(c['alpha'], 4)} | **{c['decision']}** | "
+                     f"{_num(ratio)} | {c['reason']} |")
+    for c in candidates:
+        lines += ["", f"### {c['name']}: gates", ""] + _gate_table(c["gates"])
+    return lines
+
+
 def _pct(value: float | None) -> str:
     return "n/a" if value is None else f"{100 * value:.1f}%"
 
@@ -94,15 +113,19 @@ def _kv_cache(doc: dict[str, Any]) -> list[str]:
 
 
 def _gates(doc: dict[str, Any]) -> list[str]:
-    lines = ["", "## Gates", "", "| gate | metric | baseline | canary | estimate | interval | threshold | verdict |"]
+    return ["", "## Gates", ""] + _gate_table(doc["gates"])
+
+
+def _gate_table(gates: list[dict[str, Any]]) -> list[str]:
+    lines = ["| gate | metric | baseline | canary | estimate | interval | threshold | verdict |"]
     lines.append("|---|---|---|---|---|---|---|---|")
-    for g in doc["gates"]:
+    for g in gates:
         interval = f"[{_num(g['interval'][0])}, {_num(g['interval'][1])}]" if g["interval"] else "n/a"
         lines.append(
             f"| {g['name']} | {g['metric']} | {_num(g['baseline'])} | {_num(g['canary'])} | {_num(g['estimate'])} "
             f"| {interval} | {_num(g['threshold'])} | **{g['verdict']}** |"
         )
-    details = [f"- `{g['name']}`: {g['detail']}" for g in doc["gates"] if g["detail"]]
+    details = [f"- `{g['name']}`: {g['detail']}" for g in gates if g["detail"]]
     if details:
         lines += [""] + details
     return lines

@@ -134,6 +134,20 @@ def _decision(doc: dict[str, Any], run_dir: Path) -> list[str]:
             f'<p id="decision" class="{_esc(cls)}">{_esc(decision_sentence(doc))}</p>']
 
 
+def _candidates(doc: dict[str, Any], run_dir: Path) -> list[str]:
+    """A run with candidates: each one's verdict at alpha / K, its TPOT p50 ratio, and why it won or lost."""
+    candidates = doc.get("candidates") or []
+    if not candidates:
+        return []
+    rows = [[c["name"], c["speculative_tokens"], _num(c["alpha"], 4),
+             _num(next((g.get("estimate") for g in c["gates"] if g["name"] == OBJECTIVE_NAME), None)),
+             c["reason"], c["decision"]] for c in candidates]
+    return [f'<h2 id="candidates">Candidates (winner: {_esc(doc.get("winner") or "none")})</h2>',
+            _note("Each candidate is judged against the baseline at alpha / K (Bonferroni); the winner has the lowest "
+                  "TPOT p50 ratio among those that passed (within 2%: the one drafting fewer tokens)."),
+            _table(["candidate", "draft tokens", "alpha", "TPOT p50 ratio", "why", "verdict"], rows, 5)]
+
+
 def _gates(doc: dict[str, Any], run_dir: Path) -> list[str]:
     gates = doc.get("gates") or []
     if not gates:
@@ -226,6 +240,9 @@ def _looks(doc: dict[str, Any], run_dir: Path) -> list[str]:
     rows = [[k["look"], _num(k.get("information")), ", ".join(f"{a} {n}" for a, n in (k.get("requests") or {}).items()),
              *(k.get("verdicts", {}).get(name, "") for name in names)] for k in looks]
     out.append(_table(["look", "information", "new requests", *names], rows))
+    if doc.get("candidates"):
+        return out + [_note("Several candidates: each look's verdicts are above, per candidate; the replay that draws "
+                            "the objective's interval at every look judges one canary and is not drawn here.")]
     if not (run_dir / EXPERIMENT_RECORDS).exists():
         return out + [_note("The request records are absent, so the objective's interval at every look is not drawn.")]
     replayed, problem = _replayed_objective(run_dir)
@@ -464,7 +481,7 @@ def _arms_section(doc: dict[str, Any], run_dir: Path) -> list[str]:
 
 
 SECTIONS: tuple[Callable[[dict[str, Any], Path], list[str]], ...] = (
-    _decision, _gates, _looks, _latency, _acceptance, _sweep, _accuracy, _progressive, _engine_warnings, _arms_section,
+    _decision, _candidates, _gates, _looks, _latency, _acceptance, _sweep, _accuracy, _progressive, _engine_warnings, _arms_section,
 )
 
 

@@ -196,6 +196,18 @@ class SpecDecodeSummary(Summary):
     by_turn: list[AcceptanceSlice] = Field(default_factory=list)
 
 
+class CandidateSummary(Summary):
+    """One candidate of a several-candidates run: its own verdict against the baseline at its
+    share of alpha, its gates, and why it won or lost (rollout.judge.candidates)."""
+
+    name: str
+    speculative_tokens: int
+    alpha: float  # the level it was judged at: gates.alpha / K
+    decision: Decision
+    reason: str
+    gates: list[GateResult]
+
+
 class UsageSummary(Summary):
     """What the run held, measured: its replicas (and their GPUs) from the fleet's start (or a
     resumed controller's reattach) to the decision. `mtp-canary plan` gives the bound beforehand."""
@@ -241,6 +253,10 @@ class RunResult:
     timeline: list[dict] = field(default_factory=list)
     error: str | None = None
     usage: UsageSummary | None = None  # None until a fleet started (decision.json leaves it out)
+    # a several-candidates run (config candidates): each one's verdict and the winner (the canary's seat);
+    # None otherwise, and decision.json then leaves both keys out
+    candidates: list[CandidateSummary] | None = None
+    winner: str | None = None
 
     @property
     def exit_code(self) -> int:
@@ -272,6 +288,8 @@ class RunResult:
             timeline=doc["timeline"],
             error=error,
             usage=UsageSummary.model_validate(doc["usage"]) if doc.get("usage") else None,
+            candidates=[CandidateSummary.model_validate(c) for c in doc["candidates"]] if doc.get("candidates") else None,
+            winner=doc.get("winner"),
         )
 
 
@@ -304,4 +322,7 @@ def decision_document(result: RunResult) -> dict[str, Any]:
     }
     if result.usage is not None:
         doc["usage"] = result.usage.document()
+    if result.candidates is not None:
+        doc["candidates"] = [c.model_dump(mode="json") for c in result.candidates]
+        doc["winner"] = result.winner
     return redact_document(doc, known_secrets(result.config.model_dump(mode="json")))

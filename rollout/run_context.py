@@ -23,7 +23,7 @@ from cluster.router import ROUTER_WATCH_NAME, RouterClient
 from loadtests.options import TrafficOptions
 from loadtests.swarm import SwarmSpec
 from rollout.config import RolloutConfig
-from rollout.judge.verdicts import Decision
+from rollout.judge.verdicts import Decision, GateResult
 from rollout.result import RunResult
 from rollout.resume import ResumePoint
 from rollout.store import RunStore
@@ -171,6 +171,8 @@ class RunContext:
     leased: dict[str, Any] = field(default_factory=dict)  # extra leased actors (the progressive load), by name
     leases: LeaseKeeper | None = None
     fleet_since: float | None = None  # wall clock when this controller started (or reattached) the fleet
+    # several candidates: each one's gates against the baseline at alpha / K, by phase order (accuracy, experiment)
+    candidate_gates: dict[str, list[GateResult]] = field(default_factory=dict)
 
     # -- facts -------------------------------------------------------------------
     @property

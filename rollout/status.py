@@ -3,7 +3,8 @@
 The phase results hold gates in two shapes (the storage format, kept so that old runs read
 the same): accuracy and experiment looks store the list of gates itself; the judgement, the
 progressive windows and steps store a document whose "gates" is that list (with the "step"
-of a progressive window or step). Which phase stores which is said once, here.
+of a progressive window or step); a run with candidates stores each look's gates per
+candidate. Which phase stores which is said once, here.
 """
 
 from __future__ import annotations
@@ -16,6 +17,8 @@ from rollout.store import RunStore, run_controller_alive
 
 GATE_LIST_PHASES = ("accuracy", "experiment")  # phase_results: the list of gates of one look
 GATE_DOCUMENT_PHASES = (JUDGED, PROGRESSIVE, STEP_PHASE)  # phase_results: {"gates": [...], "step"?: n, ...}
+# a run with candidates: each look's gates per candidate, {"k2": [...], "k3": [...]}, shown as "k2/<gate>"
+CANDIDATE_PHASES = ("accuracy_candidates", "experiment_candidates")
 
 
 def committed_gates(phase: str, result: Any) -> tuple[list[GateResult], int | None]:
@@ -25,6 +28,9 @@ def committed_gates(phase: str, result: Any) -> tuple[list[GateResult], int | No
         return [GateResult.model_validate(g) for g in result], None
     if name in GATE_DOCUMENT_PHASES:
         return [GateResult.model_validate(g) for g in result["gates"]], result.get("step")
+    if name in CANDIDATE_PHASES:
+        return [GateResult.model_validate({**g, "name": f"{candidate}/{g['name']}"})
+                for candidate, gates in result.items() for g in gates], None
     return [], None
 
 

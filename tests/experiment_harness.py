@@ -23,12 +23,14 @@ from rollout.store import RunStore
 
 
 @contextmanager
-def routed(baseline_url: str, canary_url: str):
-    """A real Router actor over the two targets: (actor, url), stopped and killed at the end."""
+def routed(baseline_url: str, canary_url: str, **more_arms: str):
+    """A real Router actor over the targets (`more_arms`: arm name -> URL, e.g. candidates):
+    (actor, url), stopped and killed at the end."""
     router = Router.remote(initial_weights={"baseline": 100.0, "canary": 0.0}, seed=0)
     try:
         url = ray.get(router.start.remote())
-        ray.get(router.set_arms.remote({"baseline": [baseline_url], "canary": [canary_url]}))
+        arms = {"baseline": [baseline_url], "canary": [canary_url]} if canary_url else {"baseline": [baseline_url]}
+        ray.get(router.set_arms.remote({**arms, **{arm: [u] for arm, u in more_arms.items()}}))
         yield router, url
     finally:
         ray.get(router.stop.remote())
@@ -73,18 +75,20 @@ def run_experiment(
     speculative_canary: bool = False,
     replicas_alive: Callable[[], dict[str, bool | None]] = lambda: {},
     ticks: list[tuple[str, int, int]] | None = None,
+    candidates: tuple[str, ...] = (),
 ):
     """(outcome, store, progress lines) of one experiment phase through `router_url`; `ticks`
     gets the progress bar's feed."""
     store = RunStore(tmp_path / "history.db")
     store.create_run("exp", "test", "target", {})
     out = tmp_path / "experiment"
+    arms = ("baseline", *candidates) if candidates else ("baseline", "canary")
     traffic = TrafficOptions(
         dataset="synthetic", input_tokens="8", max_tokens=exp.max_tokens, model="target",
-        records=str(out / "records.jsonl"), ignore_eos=True, tag="experiment", arm_pin="baseline,canary", seed=1,
+        records=str(out / "records.jsonl"), ignore_eos=True, tag="experiment", arm_pin=",".join(arms), seed=1,
     )
     spec = SwarmSpec(
-        host=router_url, traffic=traffic, users=exp.users_per_replica * 2, run_time_s=int(exp.max_duration_s + 120),
+        host=router_url, traffic=traffic, users=exp.users_per_replica * len(arms), run_time_s=int(exp.max_duration_s + 120),
         n_workers=1, stop_timeout_s=LOAD_STOP_TIMEOUT_S, log_dir=out / "locust",
         web_ui=web_port is not None, web_port=web_port or 8089,
     )
@@ -95,6 +99,7 @@ def run_experiment(
             scrape=scrape, replica_arms=replica_arms or {}, router=RouterClient(router, router_url),
             speculative_canary=speculative_canary, say=lines.append, event=lambda event, reason: None,
             aborted=lambda: False, replicas_alive=replicas_alive,
+            candidates=candidates, speculative=dict.fromkeys(candidates, speculative_canary),
             tick=(lambda *tick: ticks.append(tick)) if ticks is not None else (lambda task, done, total: None),
         )
     )

@@ -102,3 +102,134 @@ def test_a_candidates_trial_judges_each_candidate_against_the_shared_baseline():
     assert fast.verdicts[f"{CANARY}-2:{OBJECTIVE_NAME}"] == "pass"
     slow = calibrate.simulate_trial(design, TrialSpec(tpot_ratio=1.3, candidates=2), np.random.default_rng(1))
     assert slow.decision == "rollback" and slow.verdicts[f"{CANARY}:{OBJECTIVE_NAME}"] == "fail"
+
+
+# -- the run path's pure parts: the config, each candidate's view, the record --------------------------------------
+def candidates_config(**changes):
+    import yaml
+
+    from rollout.config import parse_config
+    from tests.conftest import REPO
+
+    data = yaml.safe_load((REPO / "configs" / "examples" / "local-candidates.yaml").read_text())
+    if changes.get("candidates") == []:  # the one-canary form: k3 as the canary
+        changes["canary"] = {k: v for k, v in data["candidates"][1].items() if k != "name"}
+    data.update(changes)
+    return parse_config(data)
+
+
+def test_candidates_take_the_canary_seat_in_turn_and_a_stored_config_reads_back():
+    from rollout.config import parse_config
+
+    cfg = candidates_config()
+    assert cfg.experiment_arms == (BASELINE, "k2", "k3")
+    assert cfg.arm("k3").engine.num_speculative_tokens == 3 and cfg.arm(BASELINE) is cfg.baseline
+    # the seat starts as the first candidate's config: every check of `canary` holds for it
+    assert cfg.canary == cfg.candidates[0].arm()
+    # decision.json and the store keep the dumped config (with that copy): it validates again
+    again = parse_config(cfg.model_dump(mode="json"))
+    assert again.experiment_arms == cfg.experiment_arms and again.canary == cfg.canary
+    # and the one-canary form is what it was
+    assert candidates_config(candidates=[]).experiment_arms == (BASELINE, CANARY)
+
+
+def test_a_candidates_view_is_the_baseline_and_that_candidate_as_the_canary():
+    from loadtests.records import RequestRecord
+    from rollout.judge.candidates import candidate_view
+
+    def record(i: int, arm: str) -> RequestRecord:
+        return RequestRecord(request_id=f"r{i}", tag="experiment", worker="w", status=200, sent_at=float(i), e2e_s=1.0,
+                             ok=True, arm=arm, pinned_arm=arm)
+
+    records = [record(0, BASELINE), record(1, "k2"), record(2, "k3"), record(3, BASELINE), record(4, "k3")]
+    looks_of = [1, 1, 1, 2, 2]
+    view, looks = candidate_view(records, looks_of, "k3")
+    assert [(r.request_id, r.arm, r.pinned_arm) for r in view] == [
+        ("r0", BASELINE, BASELINE), ("r2", CANARY, CANARY), ("r3", BASELINE, BASELINE), ("r4", CANARY, CANARY)]
+    assert looks == [1, 1, 2, 2]
+    assert records[2].arm == "k3", "the records themselves are left as they are"
+
+
+def candidates_document(winner: str | None) -> dict:
+    """A decision.json of a run with two candidates: k3 won (k2 passed but slower), or none did."""
+    from rollout.result import CandidateSummary, RunResult, decision_document
+
+    k2 = CandidateSummary(name="k2", speculative_tokens=2, alpha=0.025, decision=Decision.PROMOTE if winner else
+                          Decision.ROLLBACK, reason="passed, but k3 is faster" if winner else "rolled back: x failed",
+                          gates=[gate(OBJECTIVE_NAME, Verdict.PASS, 0.64)])
+    k3 = CandidateSummary(name="k3", speculative_tokens=3, alpha=0.025,
+                          decision=Decision.PROMOTE if winner else Decision.INCONCLUSIVE,
+                          reason="promoted: TPOT p50 ratio 0.500" if winner else "inconclusive: y",
+                          gates=[gate(OBJECTIVE_NAME, Verdict.PASS if winner else Verdict.INCONCLUSIVE, 0.5)])
+    from pathlib import Path
+
+    result = RunResult(run_id="cands", run_dir=Path("/tmp/cands"), config=candidates_config(),
+                       decision=Decision.PROMOTE if winner else Decision.INCONCLUSIVE, reason="r",
+                       candidates=[k2, k3], winner=winner)
+    return decision_document(result)
+
+
+def test_decision_json_holds_each_candidate_and_the_winner_and_reads_back():
+    from pathlib import Path
+
+    from rollout.result import RunResult, decision_document
+
+    doc = candidates_document("k3")
+    assert doc["winner"] == "k3"
+    assert [(c["name"], c["alpha"], c["decision"]) for c in doc["candidates"]] == [("k2", 0.025, "promote"),
+                                                                                     ("k3", 0.025, "promote")]
+    back = RunResult.from_document(doc, candidates_config(), Path("/tmp/cands"))
+    assert decision_document(back) == doc
+    # a one-canary run's document has neither key (its key paths are the recorded runs')
+    from rollout.result import RunResult as Result
+
+    plain = decision_document(Result(run_id="one", run_dir=Path("/tmp/one"), config=candidates_config(candidates=[])))
+    assert "candidates" not in plain and "winner" not in plain
+
+
+def test_junit_and_report_name_every_candidate_and_why():
+    import xml.etree.ElementTree as ET
+
+    from rollout.junit_report import junit_xml
+    from rollout.report import markdown_report
+
+    won = ET.fromstring(junit_xml(candidates_document("k3")))
+    cases = {c.get("name"): c for c in won.iter("testcase")}
+    # with a winner every candidate's case passes: losing to a better one is the selection working
+    assert {"candidate k2", "candidate k3"} <= set(cases) and won.get("failures") == won.get("errors") == "0"
+    assert "k3 is faster" in cases["candidate k2"].find("system-out").text
+    lost = ET.fromstring(junit_xml(candidates_document(None)))
+    cases = {c.get("name"): c for c in lost.iter("testcase")}
+    assert cases["candidate k2"].find("failure") is not None and cases["candidate k3"].find("error") is not None
+    report = markdown_report(candidates_document("k3"))
+    assert "## Candidates (winner: k3)" in report and "passed, but k3 is faster" in report and "### k2: gates" in report
+
+
+def test_a_run_with_candidates_is_not_resumed_nor_replayed_as_one_canary(tmp_path, capsys):
+    import json
+
+    from rollout import cli
+    from rollout.rejudge import BadInput, load_input
+
+    assert cli._resumable(candidates_config(), "run-1") is None
+    assert "cannot be resumed" in capsys.readouterr().err
+    run = tmp_path / "run"
+    run.mkdir()
+    (run / "decision.json").write_text(json.dumps(candidates_document("k3")))
+    (run / "experiment").mkdir()
+    (run / "experiment" / "records.jsonl").write_text("")
+    with pytest.raises(BadInput, match="a run with candidates"):
+        load_input(str(run), None)
+
+
+def test_status_shows_each_candidates_gates_of_each_look(tmp_path):
+    from rollout.status import run_status
+    from rollout.store import RunStore
+
+    store = RunStore(tmp_path / "history.db")
+    store.create_run("c", "cands", "tiny", {})
+    look = {name: [gate(OBJECTIVE_NAME, verdict, ratio).model_dump(mode="json")]
+            for name, verdict, ratio in (("k2", Verdict.INCONCLUSIVE, 0.7), ("k3", Verdict.PASS, 0.5))}
+    store.put_phase_result("c", "experiment_candidates", 1, look)
+    latest = {g["name"]: g["verdict"] for g in run_status(store, "c")["latest_gates"]}
+    assert latest == {f"k2/{OBJECTIVE_NAME}": "inconclusive", f"k3/{OBJECTIVE_NAME}": "pass"}

@@ -135,6 +135,53 @@ def test_local_cpu_default_promotes_with_a_full_decision_record(tmp_path):
     assert wait_no_server_processes() == []
 
 
+def test_candidates_k2_and_k3_against_k1_name_a_winner_that_takes_the_canary_place(tmp_path):
+    """configs/examples/local-candidates.yaml: three arms (k=1 baseline, candidates k=2 and k=3, drafts always
+    right) started together, judged each at alpha / 2 on one load; the winner is rolled out through the
+    progressive step as the canary, the other candidate's replica stopped, and the loser is told why."""
+    runs = tmp_path / "runs"
+    proc = run_cli("run", "configs/examples/local-candidates.yaml", "--runs-dir", str(runs), "--run-id", "cands")
+    print(proc.stdout[-6000:], proc.stderr[-3000:])
+    doc = decision_of(runs, "cands")
+    assert proc.returncode == 0 and doc["decision"] == "promote", (doc["reason"], proc.stdout[-2000:])
+    # three arms, one replica each, started in parallel
+    assert "fleet: starting 3 replica(s): baseline x1, k2 x1, k3 x1" in proc.stdout
+    candidates = {c["name"]: c for c in doc["candidates"]}
+    assert set(candidates) == {"k2", "k3"} and all(c["alpha"] == pytest.approx(0.025) for c in candidates.values())
+    # drafts always right: k=3 emits 4 tokens a step, k=2 3; at the same cost per step k=3 is the faster by far
+    # more than the 2% tie (measured: TPOT p50 ratios ~0.5 and ~0.64)
+    assert doc["winner"] == "k3", {n: c["reason"] for n, c in candidates.items()}
+    assert candidates["k3"]["reason"].startswith("promoted")
+    # the loser is told why: what beat it when it passed too, else its own gates (on shared cores k2's TTFT p95
+    # guard was once still open at the plan's end: "inconclusive: ttft_p95_guard")
+    loser = candidates["k2"]
+    if loser["decision"] == "promote":
+        assert loser["reason"].startswith("passed, but k3 is faster"), loser["reason"]
+    else:
+        assert loser["reason"].startswith(("rolled back: ", "inconclusive: ")), loser["reason"]
+    # the winner took the canary's place: its gates are the run's, its engine the promoted one
+    assert doc["arms"]["canary"]["candidate"] == "k3"
+    assert doc["arms"]["canary"]["engine"]["speculative_config"]["num_speculative_tokens"] == 3
+    assert {g["name"]: g["verdict"] for g in doc["gates"]} == {g["name"]: g["verdict"] for g in candidates["k3"]["gates"]}
+    promoted = yaml.safe_load((runs / "cands" / "promoted.yaml").read_text())
+    assert promoted["baseline"]["engine"]["speculative_config"]["num_speculative_tokens"] == 3
+    # every arm got the same accuracy items and the experiment's load, each prompt to every arm in turn
+    assert set(doc["accuracy"]["accuracy"]) == {"baseline", "k2", "k3"}
+    assert set(doc["experiment"]["requests"]) == {"baseline", "k2", "k3"}
+    assert min(doc["experiment"]["requests"].values()) >= 40
+    # the progressive step sent canary traffic to the winner's replica only (k2's was stopped before it)
+    assert "candidates: k3 takes the canary's place; stopped k2" in proc.stdout
+    split = doc["progressive"]["observed_split"]
+    assert split and split[0]["records_canary_share"] > 0 and split[0]["routed"].get("canary", 0) > 0, split
+    # which depth: every k up to 3 measured beside its prediction
+    advice = doc["experiment"]["depth_advice"]
+    assert [p["k"] for p in advice["predictions"]] == [1, 2, 3]
+    assert all(p["measured_tpot_ms"] is not None for p in advice["predictions"]) and advice["best_k"] == 3
+    assert "## Candidates (winner: k3)" in (runs / "cands" / "report.md").read_text()
+    assert doc["timeline"][-1]["canary_weight"] == 100
+    assert wait_no_server_processes() == []
+
+
 ENGINE_KEYS = {"baseline": "sk-baseline-engine-key-0123456789", "canary": "sk-canary-engine-key-9876543210"}
 
 

@@ -264,3 +264,51 @@ def test_a_warm_up_is_stored_as_look_0_and_the_looks_judge_only_what_follows(loc
     assert any(line.startswith("experiment: warm-up over:") for line in lines), lines
     assert lines.index(next(line for line in lines if "warm-up over" in line)) < lines.index(
         next(line for line in lines if line.startswith("experiment: look 1/")))
+
+
+def test_several_candidates_share_one_load_and_each_is_judged_against_the_baseline_at_its_share_of_alpha(
+        local_ray, tmp_path):
+    from rollout.judge.candidates import CandidateResult, candidate_gates, candidate_view, choose_winner
+    from rollout.judge.experiment_looks import judge_look_with_floor
+
+    exp = ExperimentConfig(requests_per_look=30, requests_per_arm=150, window_s=1, users_per_replica=3, max_tokens=12,
+                           max_duration_s=300, workers=1, worker_placement="local")
+    # baseline 20 ms TPOT; candidate "fast" 8 ms (ratio 0.4, far past the 0.9 bar); "same" 20 ms (no gain)
+    with TargetProcess(ttft_ms=20, tpot_ms=20, tpot_jitter=0.3, seed=1) as baseline, \
+            TargetProcess(ttft_ms=20, tpot_ms=8, tpot_jitter=0.3, seed=2) as fast, \
+            TargetProcess(ttft_ms=20, tpot_ms=20, tpot_jitter=0.3, seed=3) as same:
+        with routed(baseline.url, "", fast=fast.url, same=same.url) as (router, url):
+            before = sum(RouterClient(router, url).request_counts().values())
+            outcome, store, lines = run_experiment(tmp_path, router, url, exp, GATES, candidates=("fast", "same"))
+            received = sum(RouterClient(router, url).request_counts().values()) - before
+    summary = outcome.summary
+    # one load, three pinned arms: every arm served, none lost
+    assert set(summary["requests"]) == {"baseline", "fast", "same"} and min(summary["requests"].values()) >= 30, summary
+    assert summary["records_stored"] == received == store.count_request_samples("exp", "experiment") > 0
+    assert outcome.gates == [], "a run with candidates has no canary of its own"
+    objective = {name: next(g for g in gates if g.name == "tpot_p50_improvement")
+                 for name, gates in outcome.candidate_gates.items()}
+    assert objective["fast"].verdict == Verdict.PASS, lines
+    assert objective["same"].verdict != Verdict.PASS, lines
+    # each look names every candidate's verdicts
+    assert all({"fast/tpot_p50_improvement", "same/tpot_p50_improvement"} <= set(look["verdicts"]) for look in
+               summary["looks"]), summary["looks"]
+    # fast's gates are the one-candidate judge's on its view of the records at alpha / 2, at the look where they
+    # became final (they stand from there), and not what the whole alpha gives
+    final = next(look["look"] for look in summary["looks"] if look["verdicts"]["fast/tpot_p50_improvement"] == "pass")
+    judged = [(r, look) for r, look in zip(outcome.records, outcome.looks_of) if look <= final]
+    records, looks_of = candidate_view([r for r, _ in judged], [look for _, look in judged], "fast")
+    assert {r.served_arm for r in records} == {"baseline", "canary"}
+    fractions = [look["information"] for look in summary["looks"][:final]]
+    plan = LookPlan.of(exp)
+    half = candidate_gates(GATES, 2)
+
+    def objective_at(cfg):
+        gates, _ = judge_look_with_floor(records, looks_of, fractions, cfg, plan, None, False)
+        return next(g for g in gates if g.name == "tpot_p50_improvement")
+
+    assert objective_at(half).interval == pytest.approx(objective["fast"].interval, rel=1e-3)
+    assert objective_at(GATES).interval != pytest.approx(objective["fast"].interval, rel=1e-3)
+    choice = choose_winner([CandidateResult(n, 1, gates) for n, gates in outcome.candidate_gates.items()], half)
+    assert choice.winner == "fast", choice
+    assert "same" in choice.reasons and choice.reasons["same"] != choice.reasons["fast"]

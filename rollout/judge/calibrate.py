@@ -80,8 +80,9 @@ from scipy import optimize
 from pydantic import Field
 
 from cluster.arms import BASELINE, CANARY
+from cluster.metrics import SpecDecodeStats
 from loadtests.records import RequestRecord
-from rollout.judge.candidates import CandidateResult, candidate_gates, choose_winner
+from rollout.judge.candidates import CandidateLooks, CandidateResult, candidate_gates, candidate_view, choose_winner
 from rollout.judge.calibration_trial import (
     accuracy_skips_experiment,
     cumulative_canary_spec,
@@ -91,7 +92,7 @@ from rollout.judge.calibration_trial import (
     run_experiment_looks,
 )
 from rollout.judge.config import GatesConfig
-from rollout.judge.experiment_looks import LookPlan
+from rollout.judge.experiment_looks import LookPlan, next_information, requests_by_arm
 from rollout.judge.names import (
     ACCEPTANCE_NAME,
     ACCURACY_NAME,
@@ -302,48 +303,63 @@ def _experiment(rng: np.random.Generator, design: CalibrationDesign, spec: Trial
     return run_experiment_looks(records, ends, plan, design.gates, spec_at, design.speculative_canary)
 
 
-def _as_canary(record: RequestRecord, candidate: str) -> RequestRecord:
-    """``record`` as the two-arm judge sees it: a record of ``candidate`` is the canary's."""
-    if record.arm != candidate or candidate == CANARY:
-        return record
-    return record.model_copy(update={"arm": CANARY, "pinned_arm": CANARY})
-
-
 def _candidates_trial(design: CalibrationDesign, spec: TrialSpec, rng: np.random.Generator) -> TrialOutcome:
-    """One run with ``spec.candidates`` candidates: the experiment's records of all arms in one closed
-    loop, each candidate judged against the shared baseline (its records relabelled as the canary's)
-    at its share of alpha (``candidates.candidate_gates``), the winner by ``candidates.choose_winner``;
-    the same records judged at the whole alpha give ``unadjusted_decision``."""
+    """One run with ``spec.candidates`` candidates as the controller runs it: the experiment's records of
+    all arms in one closed loop, a look when every arm has its share (the information fraction is the
+    least-served arm's), each candidate judged against the shared baseline at its share of alpha by
+    ``candidates.CandidateLooks`` (its gates standing from the look they are final), the winner by
+    ``candidates.choose_winner``; the same looks judged at the whole alpha give ``unadjusted_decision``."""
     records = simulate_records(rng, design.latency, spec, design.shape, _TEMPLATE)
     k = design.shape.speculative_tokens if design.speculative_canary else 0
-    split = candidate_gates(design.gates, spec.candidates)
-    results: dict[str, list[CandidateResult]] = {"split": [], "whole": []}
-    judged_requests, looks = [], 0
-    for arm in candidate_arms(spec.candidates):
-        pair = [_as_canary(r, arm) for r in records if r.arm in (BASELINE, arm)]
-        ok = [r.request_id for r in pair if r.arm == CANARY and r.ok]
+    arms = candidate_arms(spec.candidates)
+    every_arm = replace(design.plan, candidates=arms)
+    ends = look_ends(records, every_arm)
+    # each candidate's counters at a look: over its view of the records, whose index a prefix count maps to
+    spec_at: dict[str, Callable[[int], SpecDecodeStats]] = {}
+    for arm in arms:
+        ok = [r.request_id for r in records if r.arm == arm and r.ok]
         if k > 0:
             drafts, accepted = spec_decode_by_request(rng, len(ok), design.shape.output_tokens, k, spec.acceptance_length)
         else:
             drafts, accepted = np.zeros(len(ok)), np.zeros((len(ok), 0))
-        spec_at = cumulative_canary_spec(pair, ok, drafts, accepted)
-        ends = look_ends(pair, design.plan)
-        for key, cfg in (("split", split), ("whole", design.gates)):
-            run = run_experiment_looks(pair, ends, design.plan, cfg, spec_at, design.speculative_canary)
-            results[key].append(CandidateResult(arm, k, run.gates))
+        view, _ = candidate_view(records, [0] * len(records), arm)
+        at_view = cumulative_canary_spec(view, ok, drafts, accepted)
+        in_view = np.cumsum([0] + [r.served_arm in (BASELINE, arm) for r in records])
+        spec_at[arm] = lambda end, at_view=at_view, in_view=in_view: at_view(int(in_view[end]))
+    runs = {"split": CandidateLooks(arms, candidate_gates(design.gates, spec.candidates), design.plan),
+            "whole": CandidateLooks(arms, design.gates, design.plan)}
+    stopped_at: dict[str, int] = {}  # run -> the record index its last look ended at
+    looks_of: list[int] = []
+    fractions: list[float] = []
+    start, looks = 0, 0
+    for look, end in enumerate(ends, start=1):
+        looks_of += [look] * (end - start)
+        start = end
+        judged = records[:end]
+        fractions.append(next_information(fractions, every_arm.information(requests_by_arm(judged, arms=every_arm.arms))))
+        for key, run in runs.items():
+            if key in stopped_at:
+                continue
+            stop = run.look(look, judged, looks_of, fractions, spec_of=lambda name: spec_at[name](end),
+                            speculative=dict.fromkeys(arms, design.speculative_canary))
             if key == "split":
-                judged_requests += list(run.requests.values())
-                looks = max(looks, len(run.looks))
+                looks = look
+            if stop is not None or look == len(ends):
+                stopped_at[key] = end
+        if len(stopped_at) == len(runs):
+            break
+    results = {key: [CandidateResult(arm, k, run.gates.get(arm, [])) for arm in arms] for key, run in runs.items()}
     # The experiment alone is simulated (as the scenarios rows: the accuracy phase's gates are not part of the
     # question), so a candidate's decision is over the experiment gates the config enables.
-    judged = [g.name for g in results["split"][0].gates if is_enabled(g.name, design.gates)]
-    experiment_only = design.gates.model_copy(update={"enabled": judged})
+    judged_names = [g.name for g in results["split"][0].gates if is_enabled(g.name, design.gates)]
+    experiment_only = design.gates.model_copy(update={"enabled": judged_names})
     split_choice = choose_winner(results["split"], experiment_only)
     whole_choice = choose_winner(results["whole"], experiment_only)
+    counts = requests_by_arm(records[: stopped_at.get("split", 0)], arms=every_arm.arms)
     return TrialOutcome(
         verdicts={f"{result.name}:{g.name}": g.verdict.value for result in results["split"] for g in result.gates},
         decision=split_choice.decision.value,
-        requests_per_arm=float(np.mean(judged_requests)) if judged_requests else None,
+        requests_per_arm=float(np.mean(list(counts.values()))) if ends else None,
         looks=looks,
         unadjusted_decision=whole_choice.decision.value,
     )

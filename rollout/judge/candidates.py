@@ -34,14 +34,20 @@ INCONCLUSIVE otherwise (a candidate that might still pass was not decided).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from dataclasses import dataclass
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
 
+from cluster.arms import BASELINE, CANARY
+from loadtests.records import RequestRecord
+from cluster.metrics import SpecDecodeStats
 from rollout.judge.config import GatesConfig
+from rollout.judge.experiment_looks import LookPlan, judge_look_with_floor, stop_after
+from rollout.judge.prefix_cache import PrefixCacheLooks
 from rollout.judge.names import OBJECTIVE_NAME
 from rollout.judge.verdicts import Decision, GateResult, Verdict, decide, is_enabled, missing_gates
 
-__all__ = ["TIE_TOLERANCE", "CandidateResult", "CandidateChoice", "candidate_gates", "choose_winner"]
+__all__ = ["TIE_TOLERANCE", "CandidateLooks", "CandidateResult", "CandidateChoice", "candidate_gates", "candidate_view",
+           "choose_winner"]
 
 # Two candidates whose TPOT ratios differ by less than 2% are a tie: on shared CPU cores a
 # run's per-look TPOT swings by more than that (configs/local-cpu.yaml), and on a GPU 2% of
@@ -56,6 +62,73 @@ def candidate_gates(cfg: GatesConfig, candidates: int) -> GatesConfig:
     if candidates == 1:
         return cfg
     return cfg.model_copy(update={"alpha": cfg.alpha / candidates})
+
+
+def candidate_view(records: Sequence[RequestRecord], looks_of: Sequence[int],
+                   candidate: str) -> tuple[list[RequestRecord], list[int]]:
+    """The baseline's records and ``candidate``'s, the candidate's relabelled as the canary, each with
+    its look: the one-candidate judge's input for that candidate (the other candidates' records
+    are left out; their requests shared the baseline's prompts, never its samples)."""
+    out: list[RequestRecord] = []
+    looks: list[int] = []
+    for record, look in zip(records, looks_of):
+        served = record.served_arm
+        if served == BASELINE:
+            out.append(record)
+        elif served == candidate:
+            out.append(record.model_copy(update={
+                "arm": CANARY if record.arm is not None else None,
+                "pinned_arm": CANARY if record.pinned_arm == candidate else record.pinned_arm,
+            }))
+        else:
+            continue
+        looks.append(look)
+    return out, looks
+
+
+@dataclass
+class CandidateLooks:
+    """Every candidate's gates through the looks of one experiment (the live loop and calibrate's
+    candidates rows both judge with it, so the simulated design is the run's).
+
+    The looks are the whole experiment's (each waits for every arm; the information fraction is
+    the least-served arm's). At each look every candidate whose gates are not yet final is judged
+    on its view of the records (`candidate_view`) at ``cfg`` (its share of alpha) under ``plan``
+    (the one-candidate plan); gates that are final after ``min_looks`` stand from that look on.
+    """
+
+    candidates: tuple[str, ...]
+    cfg: GatesConfig
+    plan: LookPlan
+    gates: dict[str, list[GateResult]] = field(default_factory=dict)
+    settled_at: dict[str, int] = field(default_factory=dict)  # candidate -> the look its gates became final
+
+    def look(
+        self,
+        look: int,
+        records: Sequence[RequestRecord],
+        looks_of: Sequence[int],
+        fractions: Sequence[float],
+        spec_of: Callable[[str], SpecDecodeStats | None],
+        speculative: Mapping[str, bool],
+        prefix_cache_of: Callable[[str], PrefixCacheLooks | None] = lambda name: None,
+    ) -> str | None:
+        """Judge look ``look`` (all records so far); why the phase stops ('information': the plan is
+        reached; 'evidence': every candidate's gates are final) or None to go on."""
+        stops: dict[str, str | None] = {}
+        for name in self.candidates:
+            if name in self.settled_at:
+                stops[name] = "evidence"
+                continue
+            view, view_looks = candidate_view(records, looks_of, name)
+            self.gates[name], _ = judge_look_with_floor(view, view_looks, fractions, self.cfg, self.plan, spec_of(name),
+                                                        speculative.get(name, False), prefix_cache=prefix_cache_of(name))
+            stops[name] = stop_after(look, fractions, self.plan, self.gates[name], self.cfg)
+            if stops[name] == "evidence":
+                self.settled_at[name] = look
+        if "information" in stops.values():
+            return "information"
+        return "evidence" if all(reason == "evidence" for reason in stops.values()) else None
 
 
 @dataclass(frozen=True)

@@ -39,7 +39,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Protocol
 
 from cluster.arms import BASELINE, CANARY
@@ -107,16 +107,26 @@ class LookPlan:
     twin: bool = False
     # every arm's first N completed requests are a warm-up, not judged (experiment.warmup_requests_per_arm)
     warmup_requests_per_arm: int = 0
+    # several candidates (config candidates): their arm names, each judged on its own against the
+    # baseline (rollout.judge.candidates.candidate_view, with `pair()`); () for the one-canary form
+    candidates: tuple[str, ...] = ()
 
     @classmethod
-    def of(cls, exp: PlannedExperiment, twin: bool = False) -> "LookPlan":
+    def of(cls, exp: PlannedExperiment, twin: bool = False, candidates: tuple[str, ...] = ()) -> "LookPlan":
         return cls(exp.requests_per_look, exp.requests_per_arm, float(exp.window_s), exp.min_looks, exp.max_duration_s,
-                   exp.arm_users, twin, exp.warmup_requests_per_arm)
+                   exp.arm_users, twin, exp.warmup_requests_per_arm, tuple(candidates))
 
     @property
     def arms(self) -> tuple[str, ...]:
         """The arms the experiment's traffic goes to, each look waiting for all of them."""
+        if self.candidates:
+            return (BASELINE, *self.candidates)
         return (*ARMS, TWIN_ARM) if self.twin else ARMS
+
+    def pair(self) -> "LookPlan":
+        """The plan one candidate is judged under: the baseline and that candidate (as the canary),
+        at the looks and information fractions of the whole experiment."""
+        return replace(self, candidates=())
 
     @property
     def planned_looks(self) -> int:

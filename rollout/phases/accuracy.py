@@ -14,7 +14,10 @@ from cluster.arms import BASELINE, CANARY
 from rollout.config import TWIN
 from rollout.evals import EvalItem, EvalSpec, ItemOutcome, evaluate_batch, load_items, outputs_differ
 from rollout.judge.accuracy import judge_accuracy, judge_divergence
+from rollout.judge.candidates import candidate_gates
+from rollout.judge.config import GatesConfig
 from rollout.judge.verdicts import GateResult, Verdict, is_enabled
+from rollout.phases.candidates import choose_now
 from rollout.phases.decide import decide_now
 from rollout.phases.replica_watch import ReplicaWatch
 from rollout.result import AccuracySummary
@@ -29,12 +32,14 @@ def eval_spec(ctx: RunContext) -> EvalSpec:
     return spec
 
 
-def judge_outcomes(ctx: RunContext, outcomes: dict[str, list[ItemOutcome]], interim: bool) -> tuple[GateResult, GateResult]:
+def judge_outcomes(ctx: RunContext, outcomes: dict[str, list[ItemOutcome]], interim: bool,
+                   gates_cfg: GatesConfig | None = None, canary_arm: str = CANARY) -> tuple[GateResult, GateResult]:
     """Both accuracy gates on the outcomes so far. Items whose baseline (or twin) request
     failed are left out of the pairs (rollout.judge.accuracy); a canary error is the
-    canary being wrong."""
-    gates_cfg = ctx.cfg.gates
-    base, canary = outcomes[BASELINE], outcomes[CANARY]
+    canary being wrong. Several candidates: `canary_arm` is the one judged, at `gates_cfg`
+    (its share of alpha)."""
+    gates_cfg = gates_cfg or ctx.cfg.gates
+    base, canary = outcomes[BASELINE], outcomes[canary_arm]
     baseline_errored = [o.error is not None for o in base]
     accuracy_gate = judge_accuracy(
         [o.correct for o in base], [o.correct for o in canary], gates_cfg, look=1, max_looks=1, interim=interim,
@@ -66,13 +71,13 @@ class Accuracy:
         cfg = ctx.cfg
         spec = eval_spec(ctx)
         items: list[EvalItem] = load_items(spec)
-        arms = [BASELINE, CANARY] + ([TWIN] if TWIN in ctx.engines else [])
+        arms = list(ctx.cfg.experiment_arms)
         how = "greedy" if spec.temperature == 0 else f"sampled at temperature {spec.temperature:g}, seed {spec.seed}"
         ctx.say(f"accuracy: {len(items)} {spec.kind} items to {', '.join(arms)} ({how}), batches of {cfg.accuracy.batch_size}")
         ctx.event("accuracy", "start", f"{len(items)} {spec.kind} items")
         t0 = time.monotonic()
         outcomes: dict[str, list[ItemOutcome]] = {arm: [] for arm in arms}
-        accuracy_gate, divergence_gate = self._batches(ctx, spec, items, arms, outcomes)
+        judged_gates = self._batches(ctx, spec, items, arms, outcomes)
         errors = {arm: sum(o.error is not None for o in outcomes[arm]) for arm in arms}
         ctx.result.accuracy = AccuracySummary(
             kind=spec.kind,
@@ -89,10 +94,22 @@ class Accuracy:
         )
         # a gate the config does not judge (gates.enabled / gates.disabled) is no verdict of the run; its
         # figure stays in the summary above (divergence_vs_baseline)
-        ctx.result.gates += [g for g in (accuracy_gate, divergence_gate) if g is not None and is_enabled(g.name, cfg.gates)]
-        ctx.event("accuracy", "done", f"{accuracy_gate.verdict.value} / {divergence_gate.verdict.value}")
+        for seat, pair in judged_gates.items():
+            kept = [g for g in pair if g is not None and is_enabled(g.name, cfg.gates)]
+            if ctx.cfg.candidates:
+                ctx.candidate_gates.setdefault(seat, []).extend(kept)
+            else:
+                ctx.result.gates += kept
+        ctx.event("accuracy", "done", "; ".join(f"{seat}: {a.verdict.value} / {d.verdict.value}"
+                                                  for seat, (a, d) in judged_gates.items()))
         if sum(errors.values()) and all(o.error for o in outcomes[BASELINE]):
             raise InfrastructureError(f"accuracy: every baseline request failed: {outcomes[BASELINE][0].error}")
+        if ctx.cfg.candidates:
+            if all(any(g.verdict == Verdict.FAIL for g in ctx.candidate_gates.get(c.name, [])) for c in ctx.cfg.candidates):
+                ctx.say("accuracy: every candidate failed a gate; skipping the experiment")
+                ctx.event("accuracy", "abort", "every candidate failed")
+                choose_now(ctx)
+            return
         if ctx.result.decision is None and any(
             g.verdict == Verdict.FAIL for g in ctx.result.gates if is_enabled(g.name, cfg.gates)
         ):
@@ -103,11 +120,14 @@ class Accuracy:
 
     @staticmethod
     def _batches(ctx: RunContext, spec: EvalSpec, items: list[EvalItem], arms: list[str],
-                 outcomes: dict[str, list[ItemOutcome]]) -> tuple[GateResult, GateResult]:
-        """Batch after batch to every arm through the router, each judged and committed before the next."""
+                 outcomes: dict[str, list[ItemOutcome]]) -> dict[str, tuple[GateResult, GateResult]]:
+        """Batch after batch to every arm through the router, each judged and committed before the next.
+        Returns the accuracy and divergence gates of the canary (several candidates: of each, at alpha / K)."""
         batch_size = ctx.cfg.accuracy.batch_size
         look = 0
-        accuracy_gate = divergence_gate = None
+        seats = [c.name for c in ctx.cfg.candidates] or [CANARY]
+        share = candidate_gates(ctx.cfg.gates, len(seats))
+        judged_gates: dict[str, tuple[GateResult, GateResult]] = {}
         watch = ReplicaWatch("accuracy", ctx.replicas_alive)
         for start in range(0, len(items), batch_size):
             batch = items[start : start + batch_size]
@@ -118,25 +138,33 @@ class Accuracy:
             watch.confirm()  # a batch answered by the survivors of a dead replica is not judged
             look += 1
             last = start + len(batch) >= len(items)
-            accuracy_gate, divergence_gate = judge_outcomes(ctx, outcomes, interim=not last)
-            ctx.store.put_phase_result(
-                ctx.run_id, "accuracy", look, [accuracy_gate.model_dump(mode="json"), divergence_gate.model_dump(mode="json")]
-            )
+            judged_gates = {seat: judge_outcomes(ctx, outcomes, interim=not last, gates_cfg=share, canary_arm=seat)
+                            for seat in seats}
+            if ctx.cfg.candidates:
+                ctx.store.put_phase_result(ctx.run_id, "accuracy_candidates", look, {
+                    seat: [g.model_dump(mode="json") for g in pair] for seat, pair in judged_gates.items()})
+            else:
+                accuracy_gate, divergence_gate = judged_gates[CANARY]
+                ctx.store.put_phase_result(
+                    ctx.run_id, "accuracy", look, [accuracy_gate.model_dump(mode="json"), divergence_gate.model_dump(mode="json")]
+                )
             done = len(outcomes[BASELINE])
             ctx.tick("accuracy items", done, len(items))
             acc = {arm: np.mean([o.correct for o in outcomes[arm]]) for arm in arms}
-            judged = [g for g in (accuracy_gate, divergence_gate) if is_enabled(g.name, ctx.cfg.gates)]
+            judged = {seat: [g for g in pair if is_enabled(g.name, ctx.cfg.gates)] for seat, pair in judged_gates.items()}
             ctx.say(
                 f"accuracy: {done}/{len(items)} items | "
                 + " ".join(f"{arm} {acc[arm]:.3f}" for arm in arms)
-                + "".join(f" | {g.name}: {g.verdict.value}" for g in judged)
+                + "".join(f" | {'' if seat == CANARY else seat + ' '}{g.name}: {g.verdict.value}"
+                          for seat, gates in judged.items() for g in gates)
             )
             if not last and ctx.aborted("accuracy"):
                 break
             # only a judged gate stops the phase: sampled outputs (accuracy.temperature > 0) differ by
-            # chance, and a divergence the config does not judge must not cut the accuracy evidence short
-            if not last and any(g.verdict == Verdict.FAIL for g in judged):
+            # chance, and a divergence the config does not judge must not cut the accuracy evidence short;
+            # with several candidates, only when every one has regressed (the others still need the items)
+            if not last and all(any(g.verdict == Verdict.FAIL for g in gates) for gates in judged.values()):
                 ctx.say("accuracy: clear regression, stopping early")
                 ctx.event("accuracy", "early_stop", f"after {done} items")
                 break
-        return accuracy_gate, divergence_gate
+        return judged_gates

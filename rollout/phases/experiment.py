@@ -45,8 +45,9 @@ class Experiment:
         )
         ctx.event("experiment", "start", f"looks every {exp.requests_per_look} requests per arm")
         out = ctx.run_dir / "experiment"
-        # a twin baseline is a third pinned arm with its own share of the streams (the A/A noise floor)
-        arms = (BASELINE, CANARY, TWIN) if ctx.cfg.twin_baseline else (BASELINE, CANARY)
+        # a twin baseline is a third pinned arm with its own share of the streams (the A/A noise floor);
+        # several candidates are one pinned arm each
+        arms = ctx.cfg.experiment_arms
         traffic = ctx.traffic.pinned(
             out / "records.jsonl",
             tag="experiment",
@@ -84,12 +85,14 @@ class Experiment:
                 scrape=sampler.recording,
                 replica_arms=ctx.replica_arms(),
                 router=ctx.router,
-                speculative_canary=ctx.speculative_canary,
+                speculative_canary=CANARY in ctx.engines and ctx.speculative_canary,
                 say=ctx.say,
                 event=lambda event, reason: ctx.event("experiment", event, reason),
                 aborted=lambda: ctx.aborted("experiment"),
                 replicas_alive=ctx.replicas_alive,
                 twin=ctx.cfg.twin_baseline,
+                candidates=tuple(c.name for c in ctx.cfg.candidates),
+                speculative={c.name: ctx.engines[c.name].num_speculative_tokens > 0 for c in ctx.cfg.candidates},
                 tick=ctx.tick,
             )
         ).run()
@@ -98,7 +101,7 @@ class Experiment:
     def _summarize(ctx: RunContext, outcome) -> None:
         ctx.experiment_capped = outcome.capped_reason
         records = outcome.records
-        arms = (BASELINE, CANARY, TWIN) if ctx.cfg.twin_baseline else (BASELINE, CANARY)
+        arms = ctx.cfg.experiment_arms
         slo = ctx.cfg.gates.goodput_slo
         # goodput over the judged records (those after the last look have no verdict), as the goodput gate counts
         # (outcome.records has no warm-up records: its requests are stored, never judged nor summarized)
@@ -123,7 +126,7 @@ class Experiment:
             **outcome.summary,
             latency_ms={arm: latency_summary(records, arm) for arm in arms},
             client_tokens_per_chunk={
-                arm: _mean([r.decode_tokens_per_chunk for r in records if r.arm == arm]) for arm in (BASELINE, CANARY)
+                arm: _mean([r.decode_tokens_per_chunk for r in records if r.arm == arm]) for arm in arms if arm != TWIN
             },
             stopped_by="abort" if outcome.aborted else "max_duration_s" if outcome.capped_reason else "evidence",
             goodput=goodput_by_arm(judged, slo) if slo is not None else None,
@@ -131,6 +134,8 @@ class Experiment:
             depth_advice=depth_advice_of(ctx, judged, outcome.looks_of[: len(judged)], outcome.spec_decode),
         )
         ctx.result.gates += outcome.gates
+        for name, gates in outcome.candidate_gates.items():
+            ctx.candidate_gates.setdefault(name, []).extend(gates)
 
 
 def depth_advice_of(ctx: RunContext, records: list[RequestRecord], looks_of: list[int],
@@ -142,7 +147,7 @@ def depth_advice_of(ctx: RunContext, records: list[RequestRecord], looks_of: lis
     for record, look in zip(records, looks_of):
         by_look.setdefault(look, []).append(record)
     arms = []
-    for arm in (BASELINE, CANARY):
+    for arm in (a for a in ctx.cfg.experiment_arms if a != TWIN):
         k = ctx.engines[arm].num_speculative_tokens
         stats = spec_decode.get(arm)
         length = 1.0 if k == 0 else (stats.mean_acceptance_length if stats is not None else None)

@@ -13,6 +13,10 @@
     with a twin baseline (twin_baseline): the twin is a third pinned arm with the same
         traffic; each look also bounds the A/A TPOT p50 ratio twin / baseline (the noise
         floor, rollout.judge.noise_floor) and the objective cannot pass while it excludes 1
+    with several candidates (config candidates): every candidate is a pinned arm; each look
+        judges each candidate against the baseline at alpha / K (rollout.judge.candidates),
+        a candidate's gates stand from the look they are final, and the phase stops when
+        every candidate's are (or at information 1)
     stop early when every gate is decided (after `min_looks`), at information 1,
     on an abort command, or at `max_duration_s` (INCONCLUSIVE, with the counts)
     the load then stops gracefully: records that arrive after the last look are
@@ -42,6 +46,7 @@ from loadtests.health import format_or_na, percentile_ms
 from loadtests.records import RequestRecord
 from loadtests.swarm import SwarmError, SwarmResult, SwarmSpec
 from rollout.config import TWIN, ExperimentConfig
+from rollout.judge.candidates import CandidateLooks, candidate_gates
 from rollout.judge.config import GatesConfig
 from rollout.judge.experiment_looks import (
     LookPlan,
@@ -115,6 +120,9 @@ class ExperimentContext:
     # replica name -> alive (a name left out: no evidence); a confirmed death ends the phase
     replicas_alive: Callable[[], dict[str, bool]] = lambda: {}
     twin: bool = False  # a twin baseline arm gets the experiment's traffic (its A/A ratio is the noise floor)
+    # several candidates: their arm names, and whether each speculates (its acceptance gate then needs drafts)
+    candidates: tuple[str, ...] = ()
+    speculative: dict[str, bool] = field(default_factory=dict)
     tick: Callable[[str, int, int], None] = lambda task, done, total: None  # a progress bar's feed
 
 
@@ -131,12 +139,14 @@ class ExperimentOutcome:
     looks_of: list[int] = field(default_factory=list)  # the look each of `records` arrived in (the last: after the last look)
     # per arm: whose counters the acceptance is (the requests' own or the server's), and what the server counted beside
     attribution: dict[str, AcceptanceAttribution] = field(default_factory=dict)
+    # several candidates: each one's gates against the baseline at alpha / K ({} for the one-canary form)
+    candidate_gates: dict[str, list[GateResult]] = field(default_factory=dict)
 
 
 class ExperimentPhase:
     def __init__(self, ctx: ExperimentContext) -> None:
         self.ctx = ctx
-        self.plan = LookPlan.of(ctx.config, twin=ctx.twin)
+        self.plan = LookPlan.of(ctx.config, twin=ctx.twin, candidates=ctx.candidates)
         self.records: list[RequestRecord] = []
         # the warm-up's records once it is over (experiment.warmup_requests_per_arm); None until then
         self.warmup: list[RequestRecord] | None = [] if self.plan.warmup_requests_per_arm == 0 else None
@@ -148,7 +158,12 @@ class ExperimentPhase:
         self.noise_floor: NoiseFloor | None = None
         self.spec_delta: dict[str, SpecDecodeStats] = {}  # per arm, as the acceptance gate counts it
         # each arm's prefix-cache (hits, queries) since the phase began, read at every look (None: unknown)
-        self.prefix_counters: dict[str, list[tuple[float, float] | None]] = {BASELINE: [], CANARY: []}
+        self.prefix_counters: dict[str, list[tuple[float, float] | None]] = {
+            arm: [] for arm in self.plan.arms if arm != TWIN}
+        # several candidates: each one's gates at its share of alpha, standing from the look they are final
+        self.candidate_looks = CandidateLooks(ctx.candidates, candidate_gates(ctx.gates, max(1, len(ctx.candidates))),
+                                              self.plan.pair())
+        self.candidate_gates: dict[str, list[GateResult]] = {}
         self.unscraped: set[str] = set()
         self.metrics_start: dict[str, MetricsSnapshot] = {}
         self._last_look_wall: float | None = None
@@ -205,12 +220,12 @@ class ExperimentPhase:
                 ctx.tick("experiment requests (fewest arm)", min(totals.values()), plan.requests_per_arm)
                 if now >= next_progress and not looking:
                     next_progress = now + PROGRESS_EVERY_S
-                    self.say(f"{now - started:.0f} s, warm-up: completed requests baseline {totals[BASELINE]} canary "
-                             f"{totals[CANARY]} of {plan.warmup_requests_per_arm} each, not judged")
+                    self.say(f"{now - started:.0f} s, warm-up: completed requests {self._counts(totals)} of "
+                             f"{plan.warmup_requests_per_arm} each, not judged")
                 elif now >= next_progress:
                     next_progress = now + PROGRESS_EVERY_S
                     self.say(
-                        f"{now - started:.0f} s, completed requests baseline {totals[BASELINE]} canary {totals[CANARY]}"
+                        f"{now - started:.0f} s, completed requests {self._counts(totals)}"
                         f" (look {len(self.fractions) + 1} at +{plan.requests_per_look} each)"
                     )
         except BaseException:
@@ -235,6 +250,7 @@ class ExperimentPhase:
             warmup_records=self.warmup or [],
             looks_of=self.looks_of,
             attribution=attribution,
+            candidate_gates=self.candidate_gates,
         )
 
     # -- the warm-up -----------------------------------------------------------
@@ -272,6 +288,8 @@ class ExperimentPhase:
         self.looks_of += [look] * len(look_records)
         self._last_look_wall = time.time()
         self._scrape_acceptance()
+        if ctx.candidates:
+            return self._look_at_candidates(look, look_records)
         canary_spec = self.spec_delta.get(CANARY) or (None if CANARY in self.unscraped else SpecDecodeStats())
         self.gates, self.noise_floor = judge_look_with_floor(
             self.records, self.looks_of, self.fractions, ctx.gates, plan, canary_spec, ctx.speculative_canary,
@@ -308,6 +326,48 @@ class ExperimentPhase:
         if stop == "evidence":
             self.say(f"verdict reached at look {look} of {plan.planned_looks}, stopping early")
         return stop is not None
+
+    def _look_at_candidates(self, look: int, look_records: list[RequestRecord]) -> bool:
+        """Each candidate judged against the baseline at alpha / K on all records so far
+        (rollout.judge.candidates.CandidateLooks). True when the phase may stop."""
+        ctx, plan, judged = self.ctx, self.plan, self.candidate_looks
+        stop = judged.look(
+            look, self.records, self.looks_of, self.fractions,
+            spec_of=lambda name: self.spec_delta.get(name) or (None if name in self.unscraped else SpecDecodeStats()),
+            speculative=ctx.speculative,
+            prefix_cache_of=lambda name: PrefixCacheLooks(baseline=self.prefix_counters[BASELINE],
+                                                          canary=self.prefix_counters[name]),
+        )
+        self.candidate_gates = judged.gates
+        verdicts = {f"{name}/{g.name}": g.verdict.value for name, gates in judged.gates.items() for g in gates}
+        ctx.store.put_phase_result(ctx.run_id, f"{PHASE}_candidates", look, {
+            name: [g.model_dump(mode="json") for g in gates] for name, gates in judged.gates.items()})
+        self.look_summaries.append({
+            "look": look,
+            "at": self._last_look_wall,
+            "information": round(self.fractions[-1], 4),
+            "requests": requests_by_arm(look_records, self.arms),
+            "verdicts": verdicts,
+            "prefix_cache": {arm: counters[-1] if len(counters) == look else None
+                             for arm, counters in self.prefix_counters.items()},
+            "goodput": None if ctx.gates.goodput_slo is None else {
+                arm: g.share for arm, g in goodput_by_arm(look_records, ctx.gates.goodput_slo).items()},
+        })
+        tpot = " ".join(f"{arm} {percentile_ms(latency_samples(self.records, self.looks_of, arm).tpot_s, 50)}"
+                        for arm in self.arms)
+        self.say(f"look {look}/{plan.planned_looks} (information {self.fractions[-1]:.2f}) | requests "
+                 f"{self._counts(requests_by_arm(self.records, self.arms))} | TPOT p50 ms {tpot}")
+        for name in ctx.candidates:
+            held = f" (final at look {judged.settled_at[name]})" if name in judged.settled_at else ""
+            self.say(f"look {look} {name} at alpha {judged.cfg.alpha:g}{held}: "
+                     + ", ".join(f"{g.name}: {g.verdict.value}" for g in judged.gates[name]))
+        ctx.event("look", f"look {look}: " + ", ".join(f"{k}={v}" for k, v in verdicts.items()))
+        if stop == "evidence":
+            self.say(f"every candidate's verdict reached by look {look} of {plan.planned_looks}, stopping early")
+        return stop is not None
+
+    def _counts(self, totals: dict[str, int]) -> str:
+        return " ".join(f"{arm} {totals.get(arm, 0)}" for arm in self.arms)
 
     def _counted_arms(self) -> list[str]:
         return [arm for arm in dict.fromkeys(self.ctx.replica_arms.values()) if arm != TWIN]
@@ -357,15 +417,18 @@ class ExperimentPhase:
         plan = self.plan
         if self.warmup is None:
             return (
-                f"experiment.max_duration_s ({plan.max_duration_s:g} s) reached in the warm-up: baseline "
-                f"{totals[BASELINE]}, canary {totals[CANARY]} completed requests of the "
+                f"experiment.max_duration_s ({plan.max_duration_s:g} s) reached in the warm-up: "
+                f"{self._counts_with_commas(totals)} completed requests of the "
                 f"{plan.warmup_requests_per_arm} per arm it needs before the first look"
             )
         return (
             f"experiment.max_duration_s ({plan.max_duration_s:g} s) reached after {len(self.fractions)} look(s): "
-            f"baseline {totals[BASELINE]}, canary {totals[CANARY]} completed requests; the plan needs "
+            f"{self._counts_with_commas(totals)} completed requests; the plan needs "
             f"{plan.requests_per_arm} per arm"
         )
+
+    def _counts_with_commas(self, totals: dict[str, int]) -> str:
+        return ", ".join(f"{arm} {totals.get(arm, 0)}" for arm in self.arms if arm != TWIN)
 
     # -- the end ---------------------------------------------------------------
     def _store_rest(self, load: ContinuousLoad) -> int:

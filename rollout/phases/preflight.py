@@ -39,8 +39,10 @@ class Preflight:
         warnings = fleet.engine_warnings()
         ctx.result.engine_warnings = warnings
         self._record_servers(ctx)
-        canary_drafts = sum(metrics[h.name].spec_decode.drafts for h in fleet.handles(CANARY))
-        k = ctx.engines[CANARY].num_speculative_tokens
+        # several candidates: the canary's seat is empty until one wins; each candidate is checked below
+        seat = CANARY if CANARY in ctx.engines else ctx.cfg.candidates[0].name
+        canary_drafts = sum(metrics[h.name].spec_decode.drafts for h in fleet.handles(seat))
+        k = ctx.engines[seat].num_speculative_tokens
         ctx.result.preflight = PreflightSummary(
             smoke_completion_tokens=answers,
             canary_speculative_tokens=k,
@@ -53,6 +55,9 @@ class Preflight:
                 if SAME_MTP_LAYER in line:
                     ctx.say(f"preflight: {name} engine warning: {line}")
                     break
+        if ctx.cfg.candidates:
+            self._check_candidates(ctx, metrics)
+            return
         if ctx.speculative_canary and canary_drafts <= 0:
             self._fail_no_drafts(ctx, canary_drafts)
             return
@@ -88,19 +93,36 @@ class Preflight:
             raise InfrastructureError(f"preflight: replica {handle.name} did not answer: {exc}") from None
 
     @staticmethod
+    def _check_candidates(ctx: RunContext, metrics) -> None:
+        """Each candidate's drafts (decision.json arms.<candidate>.preflight_drafts); a speculative
+        candidate that never drafted loses (its preflight_speculation gate fails), the others go on."""
+        for candidate in ctx.cfg.candidates:
+            name = candidate.name
+            drafts = sum(metrics[h.name].spec_decode.drafts for h in ctx.fleet.handles(name))
+            ctx.result.arms[name]["preflight_drafts"] = drafts
+            if ctx.engines[name].num_speculative_tokens > 0 and drafts <= 0:
+                ctx.candidate_gates.setdefault(name, []).append(_no_drafts_gate(drafts, name))
+                ctx.say(f"preflight: candidate {name} is configured to speculate but produced no drafts: it loses")
+        ctx.event("preflight", "pass", "candidates' drafts: " + ", ".join(
+            f"{c.name} {ctx.result.arms[c.name]['preflight_drafts']:g}" for c in ctx.cfg.candidates))
+
+    @staticmethod
     def _fail_no_drafts(ctx: RunContext, canary_drafts: float) -> None:
-        reason = "canary is configured to speculate but produced no drafts in preflight"
-        ctx.result.gates.append(
-            GateResult(
-                name="preflight_speculation",
-                metric="canary_drafts",
-                baseline=None,
-                canary=float(canary_drafts),
-                threshold=1.0,
-                verdict=Verdict.FAIL,
-                detail=reason,
-            )
-        )
+        gate = _no_drafts_gate(canary_drafts, "canary")
+        reason = gate.detail
+        ctx.result.gates.append(gate)
         ctx.result.decision = Decision.ROLLBACK
         ctx.result.reason = reason
         ctx.event("preflight", "fail", reason)
+
+
+def _no_drafts_gate(drafts: float, arm: str) -> GateResult:
+    return GateResult(
+        name="preflight_speculation",
+        metric="canary_drafts",
+        baseline=None,
+        canary=float(drafts),
+        threshold=1.0,
+        verdict=Verdict.FAIL,
+        detail=f"{arm} is configured to speculate but produced no drafts in preflight",
+    )

@@ -39,7 +39,9 @@ class Progressive:
     name = "progressive"
 
     def enabled(self, ctx: RunContext) -> bool:
-        return ctx.cfg.progressive.enabled and (ctx.result.decision == Decision.PROMOTE or not ctx.result.gates)
+        # a run that judges nothing before the steps has no gates; one with candidates always judged them
+        judged_nothing = not ctx.result.gates and ctx.result.candidates is None
+        return ctx.cfg.progressive.enabled and (ctx.result.decision == Decision.PROMOTE or judged_nothing)
 
     def run(self, ctx: RunContext) -> None:
         prog = ctx.cfg.progressive

@@ -57,8 +57,8 @@ def resolve_arm_engine(arm: ArmConfig, cache_dir: Path, progress: Progress, sizi
 
 
 def arm_config(cfg, arm: str) -> ArmConfig:
-    """The config of one arm (the twin is a second baseline)."""
-    return cfg.canary if arm == CANARY else cfg.baseline
+    """The config of one arm (the twin is a second baseline; a candidate by its name)."""
+    return cfg.arm(arm)
 
 
 class Prepare:
@@ -77,7 +77,11 @@ class Prepare:
         sizing = size_tiny_model(ctx.cache_dir, ctx.say, options=tiny) if tiny and tiny.size == "auto" else None
         result.prepare.tiny_model = sizing.model_dump(mode="json") if sizing else None
         ctx.engines[BASELINE] = resolve_arm_engine(cfg.baseline, ctx.cache_dir, ctx.say, sizing=sizing)
-        ctx.engines[CANARY] = resolve_arm_engine(cfg.canary, ctx.cache_dir, ctx.say, sizing=sizing)
+        if cfg.candidates:  # every candidate's arm; the canary's seat stays empty until one wins
+            for candidate in cfg.candidates:
+                ctx.engines[candidate.name] = resolve_arm_engine(candidate, ctx.cache_dir, ctx.say, sizing=sizing)
+        else:
+            ctx.engines[CANARY] = resolve_arm_engine(cfg.canary, ctx.cache_dir, ctx.say, sizing=sizing)
         if cfg.twin_baseline:
             ctx.engines[TWIN] = ctx.engines[BASELINE]
         for arm, engine in ctx.engines.items():

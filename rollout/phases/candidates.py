@@ -1,0 +1,77 @@
+"""Several candidates (config `candidates:`): the winner chosen from each candidate's gates
+(rollout.judge.candidates, each judged at alpha / K), and the canary's seat handed to it before
+the decision is committed. From then on the winner's replicas are the canary's: the router's
+canary weight, the progressive phase, the stable mark and promoted.yaml are the winner's, and
+the losers' replicas are stopped. Without a winner the seat stays empty and the run rolls back
+(every candidate did) or is inconclusive."""
+
+from __future__ import annotations
+
+from cluster.arms import BASELINE, CANARY
+from rollout.judge.candidates import CandidateResult, candidate_gates, choose_winner
+from rollout.judge.verdicts import Decision
+from rollout.phases.decide import decide_now
+from rollout.result import CandidateSummary
+from rollout.run_context import RunContext
+
+
+def choose_now(ctx: RunContext) -> None:
+    """Each candidate's verdict and reason into ctx.result.candidates, the winner into the canary's
+    seat, and the run's decision (an abort's ROLLBACK, already set, stands)."""
+    cfg = ctx.cfg
+    share = candidate_gates(cfg.gates, len(cfg.candidates))
+    results = [
+        CandidateResult(c.name, ctx.engines[c.name].num_speculative_tokens, list(ctx.candidate_gates.get(c.name, [])))
+        for c in cfg.candidates
+    ]
+    choice = choose_winner(results, share)
+    ctx.result.candidates = [
+        CandidateSummary(name=r.name, speculative_tokens=r.speculative_tokens, alpha=share.alpha,
+                         decision=r.decision(share), reason=choice.reasons[r.name], gates=list(r.gates))
+        for r in results
+    ]
+    for name, reason in choice.reasons.items():
+        ctx.say(f"candidates: {name}: {reason}")
+    ctx.event("candidates", "chosen", f"winner {choice.winner}" if choice.winner else choice.decision.value)
+    if ctx.result.decision is not None:
+        return
+    others = "; ".join(f"{name}: {reason}" for name, reason in choice.reasons.items() if name != choice.winner)
+    if choice.winner is None:
+        ctx.result.decision = choice.decision
+        ctx.result.reason = f"no candidate won ({len(results)} judged at alpha {share.alpha:g} each): {others}"
+        return
+    take_the_seat(ctx, choice.winner)
+    ctx.result.winner = choice.winner
+    ctx.result.gates += results[[r.name for r in results].index(choice.winner)].gates
+    decide_now(ctx)  # the winner's gates, and the run's own (preflight), as a one-canary run decides
+    if ctx.result.decision == Decision.PROMOTE:
+        ctx.result.reason = f"candidate {choice.winner} won ({choice.reasons[choice.winner]}); {others}"
+
+
+def take_the_seat(ctx: RunContext, winner: str) -> None:
+    """The winner's replicas become the canary arm (router, fleet, engines, config); the losers stop."""
+    candidate = next(c for c in ctx.cfg.candidates if c.name == winner)
+    losers = [c.name for c in ctx.cfg.candidates if c.name != winner]
+    ctx.engines[CANARY] = ctx.engines[winner]
+    ctx.result.arms[CANARY] = {**ctx.result.arms[winner], "candidate": winner}
+    # promoted.yaml and the stable mark read the canary's config: the winner's from here on
+    ctx.cfg = ctx.cfg.model_copy(update={"canary": candidate.arm()})
+    ctx.fleet.hand_over(winner, CANARY)
+    urls = ctx.fleet.urls()
+    # losers are left out of the router first (no request reaches a replica being stopped), then stopped
+    ctx.router.set_arms({BASELINE: urls[BASELINE], CANARY: urls[CANARY]}, ctx.fleet.upstream_keys())
+    ctx.fleet.retire(losers)
+    ctx.say(f"candidates: {winner} takes the canary's place; stopped {', '.join(losers)}")
+    ctx.event("candidates", "seat", f"{winner} is the canary")
+
+
+class ChooseCandidate:
+    """Several candidates: the winner, before the decision is committed."""
+
+    name = "candidates"
+
+    def enabled(self, ctx: RunContext) -> bool:
+        return bool(ctx.cfg.candidates) and not ctx.judged and ctx.result.candidates is None
+
+    def run(self, ctx: RunContext) -> None:
+        choose_now(ctx)
