@@ -43,6 +43,16 @@ def registry_for(doc: dict[str, Any]) -> CollectorRegistry:
     if _number(doc.get("started_at")) is not None:
         gauge("started_timestamp_seconds", "when the run started").labels(run_id).set(doc["started_at"])
 
+    candidates = doc.get("candidates") or []
+    if candidates:  # a run with several candidates: each one's own verdict (at alpha / K), and the winner
+        own = gauge("candidate_decision", "1 for the candidate's own decision, 0 for the others", "candidate", "decision")
+        winner = gauge("candidate_winner", "1 for the candidate the run promoted, 0 for the others", "candidate")
+        for candidate in candidates:
+            name = str(candidate.get("name"))
+            for value in DECISIONS:
+                own.labels(run_id, name, value).set(1 if candidate.get("decision") == value else 0)
+            winner.labels(run_id, name).set(1 if doc.get("winner") == name else 0)
+
     status = gauge("gate_status", "1 for the gate's verdict, 0 for the others", "gate", "status")
     estimate = gauge("gate_estimate", "the gate's point estimate", "gate", "metric")
     bound = gauge("gate_interval", "the gate's interval bound", "gate", "metric", "bound")

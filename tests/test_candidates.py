@@ -187,7 +187,7 @@ def test_decision_json_holds_each_candidate_and_the_winner_and_reads_back():
     assert "candidates" not in plain and "winner" not in plain
 
 
-def test_junit_and_report_name_every_candidate_and_why():
+def test_junit_metrics_and_report_name_every_candidate_and_why():
     import xml.etree.ElementTree as ET
 
     from rollout.junit_report import junit_xml
@@ -201,6 +201,11 @@ def test_junit_and_report_name_every_candidate_and_why():
     lost = ET.fromstring(junit_xml(candidates_document(None)))
     cases = {c.get("name"): c for c in lost.iter("testcase")}
     assert cases["candidate k2"].find("failure") is not None and cases["candidate k3"].find("error") is not None
+    from rollout.metrics_export import metrics_text
+
+    prom = metrics_text(candidates_document("k3"))
+    assert 'mtp_canary_candidate_winner{candidate="k3",run_id="cands"} 1.0' in prom
+    assert 'mtp_canary_candidate_decision{candidate="k2",decision="promote",run_id="cands"} 1.0' in prom
     report = markdown_report(candidates_document("k3"))
     assert "## Candidates (winner: k3)" in report and "passed, but k3 is faster" in report and "### k2: gates" in report
 

@@ -296,20 +296,7 @@ class ExperimentPhase:
             prefix_cache=PrefixCacheLooks(baseline=self.prefix_counters[BASELINE], canary=self.prefix_counters[CANARY]),
         )
         ctx.store.put_phase_result(ctx.run_id, PHASE, look, [g.model_dump(mode="json") for g in self.gates])
-        summary = {
-            "look": look,
-            "at": self._last_look_wall,
-            "information": round(self.fractions[-1], 4),
-            "requests": requests_by_arm(look_records, self.arms),
-            "verdicts": {g.name: g.verdict.value for g in self.gates},
-            # the counters read at this look (none where an arm was not read: unknown, as the gate has it)
-            "prefix_cache": {arm: counters[-1] if len(counters) == look else None
-                             for arm, counters in self.prefix_counters.items()},
-            # each arm's share of this look's requests meeting gates.slo (the gate judges all looks so far)
-            "goodput": None if ctx.gates.goodput_slo is None else {
-                arm: g.share for arm, g in goodput_by_arm(look_records, ctx.gates.goodput_slo).items()},
-        }
-        self.look_summaries.append(summary)
+        summary = self._look_summary(look, look_records, {g.name: g.verdict.value for g in self.gates})
         baseline = latency_samples(self.records, self.looks_of, BASELINE)
         canary = latency_samples(self.records, self.looks_of, CANARY)
         acceptance_length = self.spec_delta.get(CANARY, SpecDecodeStats()).mean_acceptance_length
@@ -342,17 +329,7 @@ class ExperimentPhase:
         verdicts = {f"{name}/{g.name}": g.verdict.value for name, gates in judged.gates.items() for g in gates}
         ctx.store.put_phase_result(ctx.run_id, f"{PHASE}_candidates", look, {
             name: [g.model_dump(mode="json") for g in gates] for name, gates in judged.gates.items()})
-        self.look_summaries.append({
-            "look": look,
-            "at": self._last_look_wall,
-            "information": round(self.fractions[-1], 4),
-            "requests": requests_by_arm(look_records, self.arms),
-            "verdicts": verdicts,
-            "prefix_cache": {arm: counters[-1] if len(counters) == look else None
-                             for arm, counters in self.prefix_counters.items()},
-            "goodput": None if ctx.gates.goodput_slo is None else {
-                arm: g.share for arm, g in goodput_by_arm(look_records, ctx.gates.goodput_slo).items()},
-        })
+        self._look_summary(look, look_records, verdicts)
         tpot = " ".join(f"{arm} {percentile_ms(latency_samples(self.records, self.looks_of, arm).tpot_s, 50)}"
                         for arm in self.arms)
         self.say(f"look {look}/{plan.planned_looks} (information {self.fractions[-1]:.2f}) | requests "
@@ -365,6 +342,24 @@ class ExperimentPhase:
         if stop == "evidence":
             self.say(f"every candidate's verdict reached by look {look} of {plan.planned_looks}, stopping early")
         return stop is not None
+
+    def _look_summary(self, look: int, look_records: list[RequestRecord], verdicts: dict[str, str]) -> dict[str, Any]:
+        """decision.json experiment.looks[] of this look (kept in self.look_summaries)."""
+        slo = self.ctx.gates.goodput_slo
+        summary = {
+            "look": look,
+            "at": self._last_look_wall,
+            "information": round(self.fractions[-1], 4),
+            "requests": requests_by_arm(look_records, self.arms),
+            "verdicts": verdicts,
+            # the counters read at this look (none where an arm was not read: unknown, as the gate has it)
+            "prefix_cache": {arm: counters[-1] if len(counters) == look else None
+                             for arm, counters in self.prefix_counters.items()},
+            # each arm's share of this look's requests meeting gates.slo (the gate judges all looks so far)
+            "goodput": None if slo is None else {arm: g.share for arm, g in goodput_by_arm(look_records, slo).items()},
+        }
+        self.look_summaries.append(summary)
+        return summary
 
     def _counts(self, totals: dict[str, int]) -> str:
         return " ".join(f"{arm} {totals.get(arm, 0)}" for arm in self.arms)
