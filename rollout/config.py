@@ -587,8 +587,6 @@ class RolloutConfig(BaseModel):
         # not built for several candidates yet: each would need its own A/A floor, sweep levels or replay
         if self.twin_baseline:
             raise ValueError("twin_baseline with candidates is not supported: run the A/A noise floor with one canary")
-        if self.experiment.sweep.enabled:
-            raise ValueError("experiment.sweep with candidates is not supported: sweep the winner with one canary")
         if not self.accuracy.enabled and not self.experiment.enabled:
             raise ValueError("candidates with accuracy and experiment disabled: nothing would choose the winner")
         if self.baseline.endpoints:

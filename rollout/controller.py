@@ -7,8 +7,8 @@
     restore      (a resumed run) the judgement committed before the crash stands
     accuracy     identical greedy items to every arm in batches, judged after each
     experiment   one continuous Locust load, both arms pinned alternately, looks by evidence
-    sweep        both arms at several load levels (reported, no gate)
     candidates   (config candidates) the winner takes the canary's place, the losers stop
+    sweep        both arms at several load levels (reported, no gate)
     decide       PROMOTE | ROLLBACK | INCONCLUSIVE, committed before it is acted on
     progressive  canary weight steps with guard windows (when configured)
     finish       the router sends 100% to the winner
@@ -63,7 +63,7 @@ from rollout.webhook import post_decision
 from tinymodel.checkpoint import DEFAULT_CACHE
 
 PHASES: tuple[Phase, ...] = (
-    Prepare(), StartFleet(), Preflight(), RestoreJudgement(), Accuracy(), Experiment(), Sweep(), ChooseCandidate(),
+    Prepare(), StartFleet(), Preflight(), RestoreJudgement(), Accuracy(), Experiment(), ChooseCandidate(), Sweep(),
     Decide(), Progressive(), Finish(),
 )
 

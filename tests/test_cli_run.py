@@ -172,6 +172,12 @@ def test_candidates_k2_and_k3_against_k1_name_a_winner_that_takes_the_canary_pla
     assert min(doc["experiment"]["requests"].values()) >= 40
     # the progressive step sent canary traffic to the winner's replica only (k2's was stopped before it)
     assert "candidates: k3 takes the canary's place; stopped k2" in proc.stdout
+    # the sweep ran after the choice: the winner, as the canary, against the baseline at each level
+    assert proc.stdout.index("takes the canary's place") < proc.stdout.index("sweep: speedup vs load")
+    sweep = doc["experiment"]["sweep"]
+    assert [row["level"] for row in sweep] == [1, 2], sweep
+    assert all(row["arms"][arm]["requests"] > 0 for row in sweep for arm in ("baseline", "canary")), sweep
+    assert doc["experiment"]["sweep_crossover"]["levels"], doc["experiment"]["sweep_crossover"]
     split = doc["progressive"]["observed_split"]
     assert split and split[0]["records_canary_share"] > 0 and split[0]["routed"].get("canary", 0) > 0, split
     # which depth: every k up to 3 measured beside its prediction

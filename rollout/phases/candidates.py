@@ -1,16 +1,14 @@
 """Several candidates (config `candidates:`): the winner chosen from each candidate's gates
 (rollout.judge.candidates, each judged at alpha / K), and the canary's seat handed to it before
-the decision is committed. From then on the winner's replicas are the canary's: the router's
-canary weight, the progressive phase, the stable mark and promoted.yaml are the winner's, and
-the losers' replicas are stopped. Without a winner the seat stays empty and the run rolls back
+the sweep and the decision. From then on the winner's replicas are the canary's: the sweep, the
+router's canary weight, the progressive phase, the stable mark and promoted.yaml are the
+winner's, and the losers' replicas are stopped. Without a winner the seat stays empty and the run rolls back
 (every candidate did) or is inconclusive."""
 
 from __future__ import annotations
 
 from cluster.arms import BASELINE, CANARY
 from rollout.judge.candidates import CandidateResult, candidate_gates, choose_winner
-from rollout.judge.verdicts import Decision
-from rollout.phases.decide import decide_now
 from rollout.result import CandidateSummary
 from rollout.run_context import RunContext
 
@@ -42,10 +40,16 @@ def choose_now(ctx: RunContext) -> None:
         return
     take_the_seat(ctx, choice.winner)
     ctx.result.winner = choice.winner
+    # the winner's gates are the run's: the sweep (on the winner) and the decision follow as for one canary
     ctx.result.gates += results[[r.name for r in results].index(choice.winner)].gates
-    decide_now(ctx)  # the winner's gates, and the run's own (preflight), as a one-canary run decides
-    if ctx.result.decision == Decision.PROMOTE:
-        ctx.result.reason = f"candidate {choice.winner} won ({choice.reasons[choice.winner]}); {others}"
+
+
+def candidates_reason(ctx: RunContext) -> str:
+    """The decision's reason begins with the winner and why every other candidate lost ('' without one)."""
+    if not ctx.result.winner or not ctx.result.candidates:
+        return ""
+    others = "; ".join(f"{c.name}: {c.reason}" for c in ctx.result.candidates if c.name != ctx.result.winner)
+    return f"candidate {ctx.result.winner} won ({others}); "
 
 
 def take_the_seat(ctx: RunContext, winner: str) -> None:
@@ -66,7 +70,7 @@ def take_the_seat(ctx: RunContext, winner: str) -> None:
 
 
 class ChooseCandidate:
-    """Several candidates: the winner, before the decision is committed."""
+    """Several candidates: the winner, before the sweep and the decision."""
 
     name = "candidates"
 

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from rollout.judge.names import GATE_PHASES
 from rollout.judge.verdicts import Decision, Verdict, decide, is_enabled, missing_gates
+from rollout.phases.candidates import candidates_reason
 from rollout.resume import JUDGED, PRE_JUDGEMENT_PHASES, Judgement
 from rollout.run_context import RunContext
 
@@ -23,7 +24,8 @@ def decide_now(ctx: RunContext) -> None:
     open_ = [g.name for g in considered if g.verdict == Verdict.INCONCLUSIVE]
     missing = missing_gates(considered, gates_cfg)
     if decision == Decision.PROMOTE:
-        reason = "every gate passed: " + ", ".join(g.name for g in considered)
+        # several candidates: which one won, and why each other lost (rollout.phases.candidates)
+        reason = candidates_reason(ctx) + "every gate passed: " + ", ".join(g.name for g in considered)
     elif decision == Decision.ROLLBACK:
         reason = "failed: " + ", ".join(failed)
     else:
