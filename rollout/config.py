@@ -584,7 +584,7 @@ class RolloutConfig(BaseModel):
             if not candidate.launched:
                 raise ValueError(f"{where}.endpoints: candidates are started by the run; judge servers that run "
                                  "elsewhere one at a time, as canary")
-        # not built for several candidates yet: each would need its own A/A floor, sweep levels or replay
+        # not built for several candidates yet: each would need its own A/A floor
         if self.twin_baseline:
             raise ValueError("twin_baseline with candidates is not supported: run the A/A noise floor with one canary")
         if not self.accuracy.enabled and not self.experiment.enabled:
@@ -595,7 +595,7 @@ class RolloutConfig(BaseModel):
         differences = {
             c.name: engine_parity.engine_differences(self.baseline.engine, c.engine, self.baseline.tiny_model,
                                                      c.tiny_model)
-            for c in self.candidates[1:]  # the first is the canary's seat: _engine_parity checks it
+            for c in self.candidates  # by name (the first is also the canary's seat: _engine_parity leaves it here)
         }
         error = engine_parity.parity_error(differences, self.experiment.under_test)
         if error:
@@ -638,6 +638,8 @@ class RolloutConfig(BaseModel):
     @model_validator(mode="after")
     def _engine_parity(self) -> "RolloutConfig":
         # the arms may differ only in what the run judges: anything else would be credited to it
+        if self.candidates:  # each candidate by its name (_candidates_fit), the seat's copy included
+            return self
         differences = engine_parity.engine_differences(
             self.baseline.engine, self.canary.engine, self.baseline.tiny_model, self.canary.tiny_model
         )
