@@ -449,28 +449,25 @@ class Fleet:
         """Stop the replicas of `arms` (their logs copied back first) while the others serve on. On GPU
         their bundles stay in the run's placement group until teardown (a group is removed whole)."""
         gone = [r for r in self.replicas if r.arm in arms]
-        keep = [r for r in self.replicas if r.arm not in arms]
         if not gone:
             return
-        self.replicas = gone
-        try:
-            self._stop_replicas()
-        finally:
-            self.replicas = keep
-            self.arms = [a for a in self.arms if a.name not in arms]
+        # the survivors first: the lease keeper renews self.replicas while the losers stop (up to ~90 s)
+        self.replicas = [r for r in self.replicas if r.arm not in arms]
+        self.arms = [a for a in self.arms if a.name not in arms]
+        self._stop_replicas(gone)
 
     def teardown(self) -> None:
         """Stop every server (SIGTERM then SIGKILL), kill the actors, free the GPUs."""
         if not self.replicas and self._placement_group is None:
             return
-        self._stop_replicas()
+        self._stop_replicas(self.replicas)
         if self._placement_group is not None:
             remove_placement_group(self._placement_group)
             self._placement_group = None
         self.replicas = []
 
-    def _stop_replicas(self) -> None:
-        pending = [(r, r.actor.stop.remote()) for r in self.replicas]
+    def _stop_replicas(self, replicas: list[ReplicaHandle]) -> None:
+        pending = [(r, r.actor.stop.remote()) for r in replicas]
         # Wait for every stop before killing any actor: Ray kills a dead actor's
         # child processes, and a stop cut short would orphan the engine processes.
         deadline = time.monotonic() + 60
@@ -479,17 +476,19 @@ class Fleet:
                 ray.get(ref, timeout=max(1.0, deadline - time.monotonic()))
             except Exception as exc:  # an actor already dead: its reaper stops the server
                 self.progress(f"fleet: teardown: {r.name}: {type(exc).__name__}")
-        self.copy_logs_back()
-        for r in self.replicas:
+        self.copy_logs_back(replicas)
+        for r in replicas:
             kill_quietly(r.actor)
-        if self.replicas:
-            self.progress(f"fleet: stopped {len(self.replicas)} replica(s)")
+        if replicas:
+            self.progress(f"fleet: stopped {len(replicas)} replica(s)")
 
-    def copy_logs_back(self) -> None:
+    def copy_logs_back(self, replicas: list[ReplicaHandle] | None = None) -> None:
         """Each replica's server log into logs_back_to/<replica>.log, read by its actor on its node (a
         RayJob cluster takes the GPU nodes' disks with it), cut to log_copy_bytes, redacted; a log that
-        cannot be copied is named with its node and the cause, and the others are still copied."""
-        if not self.logs_back_to or not self.replicas:
+        cannot be copied is named with its node and the cause, and the others are still copied.
+        `replicas`: those (default: every replica of the fleet)."""
+        replicas = self.replicas if replicas is None else replicas
+        if not self.logs_back_to or not replicas:
             return
         target = Path(self.logs_back_to)
         try:
@@ -499,7 +498,7 @@ class Fleet:
             return
         external = {arm.name for arm in self.arms if arm.external}
         refs = []
-        for r in self.replicas:
+        for r in replicas:
             if r.arm in external:
                 continue  # its log is on someone else's machine
             try:

@@ -82,7 +82,8 @@ def registry_for(doc: dict[str, Any]) -> CollectorRegistry:
         for metric, value in (metrics or {}).items():
             if _number(value) is not None:
                 latency.labels(run_id, arm, metric).set(value)
-    base, canary = per_arm.get("baseline") or {}, per_arm.get("canary") or {}
+    # with candidates the experiment's canary is the winner's arm (its records carry the candidate's name)
+    base, canary = per_arm.get("baseline") or {}, per_arm.get("canary") or per_arm.get(str(doc.get("winner"))) or {}
     for metric in sorted(set(base) & set(canary)):
         if _number(base[metric]) and _number(canary[metric]) is not None:
             ratio.labels(run_id, metric).set(canary[metric] / base[metric])

@@ -103,7 +103,10 @@ def _figure(fig_id: str, fig: Figure, caption: str) -> str:
 
 
 def _arms(doc: dict[str, Any]) -> list[str]:
-    return list(doc.get("arms") or {}) or ["baseline", "canary"]
+    """The arms that took the experiment's load (with candidates, the canary's seat is the winner's
+    arm again: its records carry the candidate's name)."""
+    arms = list(doc.get("arms") or {}) or ["baseline", "canary"]
+    return [a for a in arms if a != "canary"] if doc.get("candidates") else arms
 
 
 # -- the decision, one sentence -----------------------------------------------------------------
@@ -355,7 +358,7 @@ def _sweep(doc: dict[str, Any], run_dir: Path) -> list[str]:
     rows = (doc.get("experiment") or {}).get("sweep") or []
     if not rows:
         return []
-    base, canary = _arms(doc)[:2]
+    base, canary = "baseline", "canary"  # the sweep's two arms (with candidates, the canary is the winner)
     out = ['<h2 id="sweep">Speedup vs load (sweep, no gate)</h2>']
     got = _Records(run_dir / SWEEP_RECORDS)
     intervals: dict[float, tuple[float, float] | None] = {}

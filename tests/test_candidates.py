@@ -238,3 +238,30 @@ def test_status_shows_each_candidates_gates_of_each_look(tmp_path):
     store.put_phase_result("c", "experiment_candidates", 1, look)
     latest = {g["name"]: g["verdict"] for g in run_status(store, "c")["latest_gates"]}
     assert latest == {f"k2/{OBJECTIVE_NAME}": "inconclusive", f"k3/{OBJECTIVE_NAME}": "pass"}
+
+
+def test_report_html_of_a_run_with_candidates_and_a_sweep_on_the_winner(tmp_path):
+    import json
+
+    from rollout.report_html import html_report
+    from tests.conftest import REPO
+
+    recorded = json.loads((REPO / "tests" / "data" / "recorded_runs" / "promote" / "decision.json").read_text())
+    doc = candidates_document("k3")
+    doc["experiment"] = {"sweep": recorded["experiment"]["sweep"]}  # the sweep's arms: baseline and canary (the winner)
+    engine = {"model": "tiny", "served_model_name": "tiny", "speculative_config": {"num_speculative_tokens": 1}}
+    # decision.json's arms of such a run, in its order: the baseline, each candidate, then the winner's seat
+    doc["arms"] = {arm: {"replicas": 1, "engine": engine} for arm in ("baseline", "k2", "k3", "canary")}
+    page = html_report(doc, tmp_path)
+    assert 'id="candidates"' in page and 'id="sweep"' in page, "a section fell back or is missing"
+    assert "passed, but k3 is faster" in page
+
+
+def test_candidates_that_already_lost_do_not_hold_the_experiments_stop():
+    from rollout.judge.candidates import CandidateLooks
+    from rollout.judge.experiment_looks import LookPlan
+
+    plan = LookPlan(requests_per_look=10, requests_per_arm=100, min_interval_s=0.0, min_looks=1, max_duration_s=60.0)
+    looks = CandidateLooks(("k2", "k3"), candidate_gates(CFG, 2), plan, settled_at={"k2": 0, "k3": 0})
+    assert looks.look(1, [], [], [0.1], spec_of=lambda name: None, speculative={}) == "evidence"
+    assert looks.gates == {}, "a candidate that lost before the experiment is not judged again"

@@ -61,7 +61,8 @@ def test_the_decision_names_the_missing_gates_and_the_way_out():
     cfg = load_config(REPO / "configs" / "local-cpu.yaml")
     cfg = cfg.model_copy(update={"accuracy": cfg.accuracy.model_copy(update={"enabled": False})})
     ctx = SimpleNamespace(cfg=cfg, result=SimpleNamespace(gates=[gate(n) for n in EXPERIMENT_GATES], decision=None,
-                                                         reason=""), experiment_capped=None)
+                                                         reason="", candidates=None, winner=None),
+                          experiment_capped=None)
     decide_now(ctx)
     assert ctx.result.decision is Decision.INCONCLUSIVE
     reason = ctx.result.reason

@@ -157,7 +157,7 @@ class CandidateChoice:
 
 
 def _why_not_promoted(result: CandidateResult, cfg: GatesConfig) -> str:
-    gates = [g for g in result.gates if is_enabled(g.name, cfg)]
+    gates = [g for g in result.gates if g.name.startswith("preflight") or is_enabled(g.name, cfg)]
     failed = [g.name for g in gates if g.verdict is Verdict.FAIL]
     if failed:
         return "rolled back: " + ", ".join(failed) + " failed"

@@ -128,6 +128,9 @@ class Accuracy:
         seats = [c.name for c in ctx.cfg.candidates] or [CANARY]
         share = candidate_gates(ctx.cfg.gates, len(seats))
         judged_gates: dict[str, tuple[GateResult, GateResult]] = {}
+        # several candidates: a candidate's judged FAIL stands from its batch on, as it would stop a
+        # one-canary run there (the batches go on for the others)
+        regressed: dict[str, tuple[GateResult, GateResult]] = {}
         watch = ReplicaWatch("accuracy", ctx.replicas_alive)
         for start in range(0, len(items), batch_size):
             batch = items[start : start + batch_size]
@@ -138,8 +141,11 @@ class Accuracy:
             watch.confirm()  # a batch answered by the survivors of a dead replica is not judged
             look += 1
             last = start + len(batch) >= len(items)
-            judged_gates = {seat: judge_outcomes(ctx, outcomes, interim=not last, gates_cfg=share, canary_arm=seat)
-                            for seat in seats}
+            judged_gates = {seat: regressed.get(seat) or judge_outcomes(ctx, outcomes, interim=not last, gates_cfg=share,
+                                                                        canary_arm=seat) for seat in seats}
+            for seat, pair in judged_gates.items():
+                if any(g.verdict == Verdict.FAIL and is_enabled(g.name, ctx.cfg.gates) for g in pair):
+                    regressed.setdefault(seat, pair)
             if ctx.cfg.candidates:
                 ctx.store.put_phase_result(ctx.run_id, "accuracy_candidates", look, {
                     seat: [g.model_dump(mode="json") for g in pair] for seat, pair in judged_gates.items()})

@@ -23,6 +23,9 @@ def choose_now(ctx: RunContext) -> None:
         for c in cfg.candidates
     ]
     choice = choose_winner(results, share)
+    if ctx.result.decision is not None:  # an abort: nobody is promoted, whatever the gates said so far
+        choice = type(choice)(choice.decision, None, {
+            name: f"not promoted: {ctx.result.reason} (its gates so far: {reason})" for name, reason in choice.reasons.items()})
     ctx.result.candidates = [
         CandidateSummary(name=r.name, speculative_tokens=r.speculative_tokens, alpha=share.alpha,
                          decision=r.decision(share), reason=choice.reasons[r.name], gates=list(r.gates))
@@ -36,7 +39,8 @@ def choose_now(ctx: RunContext) -> None:
     others = "; ".join(f"{name}: {reason}" for name, reason in choice.reasons.items() if name != choice.winner)
     if choice.winner is None:
         ctx.result.decision = choice.decision
-        ctx.result.reason = f"no candidate won ({len(results)} judged at alpha {share.alpha:g} each): {others}"
+        capped = f"{ctx.experiment_capped}; " if ctx.experiment_capped else ""
+        ctx.result.reason = f"{capped}no candidate won ({len(results)} judged at alpha {share.alpha:g} each): {others}"
         return
     take_the_seat(ctx, choice.winner)
     ctx.result.winner = choice.winner

@@ -123,6 +123,7 @@ class ExperimentContext:
     # several candidates: their arm names, and whether each speculates (its acceptance gate then needs drafts)
     candidates: tuple[str, ...] = ()
     speculative: dict[str, bool] = field(default_factory=dict)
+    lost: frozenset[str] = frozenset()  # candidates that already failed a gate (preflight, accuracy): not waited for
     tick: Callable[[str, int, int], None] = lambda task, done, total: None  # a progress bar's feed
 
 
@@ -162,7 +163,7 @@ class ExperimentPhase:
             arm: [] for arm in self.plan.arms if arm != TWIN}
         # several candidates: each one's gates at its share of alpha, standing from the look they are final
         self.candidate_looks = CandidateLooks(ctx.candidates, candidate_gates(ctx.gates, max(1, len(ctx.candidates))),
-                                              self.plan.pair())
+                                              self.plan.pair(), settled_at=dict.fromkeys(ctx.lost, 0))
         self.candidate_gates: dict[str, list[GateResult]] = {}
         self.unscraped: set[str] = set()
         self.metrics_start: dict[str, MetricsSnapshot] = {}
@@ -335,6 +336,9 @@ class ExperimentPhase:
         self.say(f"look {look}/{plan.planned_looks} (information {self.fractions[-1]:.2f}) | requests "
                  f"{self._counts(requests_by_arm(self.records, self.arms))} | TPOT p50 ms {tpot}")
         for name in ctx.candidates:
+            if judged.settled_at.get(name) == 0:
+                self.say(f"look {look} {name}: lost before the experiment (a failed gate), not judged")
+                continue
             held = f" (final at look {judged.settled_at[name]})" if name in judged.settled_at else ""
             self.say(f"look {look} {name} at alpha {judged.cfg.alpha:g}{held}: "
                      + ", ".join(f"{g.name}: {g.verdict.value}" for g in judged.gates[name]))
