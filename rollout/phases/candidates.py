@@ -2,8 +2,8 @@
 (rollout.judge.candidates, each judged at alpha / K), and the canary's seat handed to it before
 the sweep and the decision. From then on the winner's replicas are the canary's: the sweep, the
 router's canary weight, the progressive phase, the stable mark and promoted.yaml are the
-winner's, and the losers' replicas are stopped. Without a winner the seat stays empty and the run rolls back
-(every candidate did) or is inconclusive."""
+winner's, and the losers' replicas are stopped. Without a winner the seat stays empty and the
+run rolls back (every candidate did) or is inconclusive."""
 
 from __future__ import annotations
 
@@ -25,7 +25,8 @@ def choose_now(ctx: RunContext) -> None:
     choice = choose_winner(results, share)
     if ctx.result.decision is not None:  # an abort: nobody is promoted, whatever the gates said so far
         choice = type(choice)(choice.decision, None, {
-            name: f"not promoted: {ctx.result.reason} (its gates so far: {reason})" for name, reason in choice.reasons.items()})
+            name: f"not promoted: {ctx.result.reason} (its gates so far: {reason})"
+            for name, reason in choice.reasons.items()})
     ctx.result.candidates = [
         CandidateSummary(name=r.name, speculative_tokens=r.speculative_tokens, alpha=share.alpha,
                          decision=r.decision(share), reason=choice.reasons[r.name], gates=list(r.gates))
