@@ -38,12 +38,12 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 
 from cluster.arms import BASELINE, CANARY
-from loadtests.records import RequestRecord
 from cluster.metrics import SpecDecodeStats
+from loadtests.records import RequestRecord
 from rollout.judge.config import GatesConfig
 from rollout.judge.experiment_looks import LookPlan, judge_look_with_floor, stop_after
-from rollout.judge.prefix_cache import PrefixCacheLooks
 from rollout.judge.names import OBJECTIVE_NAME
+from rollout.judge.prefix_cache import PrefixCacheLooks
 from rollout.judge.verdicts import Decision, GateResult, Verdict, decide, is_enabled, missing_gates
 
 __all__ = ["TIE_TOLERANCE", "CandidateLooks", "CandidateResult", "CandidateChoice", "candidate_gates", "candidate_view",
