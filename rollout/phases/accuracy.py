@@ -17,7 +17,7 @@ from rollout.judge.accuracy import judge_accuracy, judge_divergence
 from rollout.judge.candidates import candidate_gates
 from rollout.judge.config import GatesConfig
 from rollout.judge.verdicts import GateResult, Verdict, is_enabled
-from rollout.phases.candidates import choose_now
+from rollout.phases.candidates import choose_now, lost_candidates
 from rollout.phases.decide import decide_now
 from rollout.phases.replica_watch import ReplicaWatch
 from rollout.result import AccuracySummary
@@ -105,7 +105,7 @@ class Accuracy:
         if sum(errors.values()) and all(o.error for o in outcomes[BASELINE]):
             raise InfrastructureError(f"accuracy: every baseline request failed: {outcomes[BASELINE][0].error}")
         if ctx.cfg.candidates:
-            if all(any(g.verdict == Verdict.FAIL for g in ctx.candidate_gates.get(c.name, [])) for c in ctx.cfg.candidates):
+            if lost_candidates(ctx) >= {c.name for c in ctx.cfg.candidates}:
                 ctx.say("accuracy: every candidate failed a gate; skipping the experiment")
                 ctx.event("accuracy", "abort", "every candidate failed")
                 choose_now(ctx)

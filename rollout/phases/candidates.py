@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from cluster.arms import BASELINE, CANARY
 from rollout.judge.candidates import CandidateResult, candidate_gates, choose_winner
+from rollout.judge.verdicts import Verdict
 from rollout.result import CandidateSummary
 from rollout.run_context import RunContext
 
@@ -47,6 +48,11 @@ def choose_now(ctx: RunContext) -> None:
     ctx.result.winner = choice.winner
     # the winner's gates are the run's: the sweep (on the winner) and the decision follow as for one canary
     ctx.result.gates += results[[r.name for r in results].index(choice.winner)].gates
+
+
+def lost_candidates(ctx: RunContext) -> frozenset[str]:
+    """Candidates whose gates so far (preflight, accuracy) include a FAIL: they cannot win."""
+    return frozenset(name for name, gates in ctx.candidate_gates.items() if any(g.verdict == Verdict.FAIL for g in gates))
 
 
 def candidates_reason(ctx: RunContext) -> str:

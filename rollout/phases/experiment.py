@@ -17,7 +17,7 @@ from rollout.acceptance_slices import by_prompt_length, by_turn
 from rollout.config import TWIN
 from rollout.depth_advice import DepthAdvice, DepthArm, advise_depth
 from rollout.judge.goodput import goodput_by_arm
-from rollout.judge.verdicts import Verdict
+from rollout.phases.candidates import lost_candidates
 from rollout.phases.experiment_loop import LOAD_MARGIN_S, LOAD_STOP_TIMEOUT_S, ExperimentContext, ExperimentPhase
 from rollout.result import ExperimentSummary, SpecDecodeSummary
 from rollout.run_context import InfrastructureError, RunContext
@@ -94,8 +94,7 @@ class Experiment:
                 twin=ctx.cfg.twin_baseline,
                 candidates=tuple(c.name for c in ctx.cfg.candidates),
                 speculative={c.name: ctx.engines[c.name].num_speculative_tokens > 0 for c in ctx.cfg.candidates},
-                lost=frozenset(name for name, gates in ctx.candidate_gates.items()
-                               if any(g.verdict == Verdict.FAIL for g in gates)),
+                lost=lost_candidates(ctx),
                 tick=ctx.tick,
             )
         ).run()
