@@ -277,6 +277,39 @@ def test_a_p95_without_the_samples_its_band_needs_is_inconclusive_and_says_how_m
     assert "needs >= 59 samples per arm" in guard.detail
 
 
+def _one_hot_look(rng: np.random.Generator, hot: bool, n: int = 400, looks: int = 10) -> LatencySamples:
+    """An arm whose TTFT doubles for every request of look 2 when ``hot``: its p95's exceedances sit in one block."""
+    window = np.repeat(np.arange(1, looks + 1), n // looks)
+    ttft = 0.25 * rng.lognormal(0.0, 0.2, n)
+    if hot:
+        ttft[window == 2] *= 2.0
+    tpot = 0.03 * rng.lognormal(0.0, 0.25, n)
+    return LatencySamples(ttft, tpot, ttft + 15 * tpot, 0, n, window)
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_a_band_past_the_sample_blocks_only_the_side_that_reads_it(seed):
+    """Rule: the guard's pass side (the ratio's upper bound) reads the canary's upper rank and the baseline's lower
+    one. A baseline whose slow look puts its own upper band past the sample (design effect ~20, seen on 2 shared
+    cores: one look of one arm slow) leaves the fail side unbounded, and the guard still passes a canary well
+    under the cap (it was INCONCLUSIVE before: a real hogged demo run ended so at 400 per arm, TTFT ratio 1.48
+    against 3.5). The same slow look in the canary leaves the pass side unbounded: INCONCLUSIVE, never a pass."""
+    cfg = GatesConfig(ttft_p95_max_ratio=3.5, tpot_p50_min_improvement=0.0)
+    info = [0.1 * k for k in range(1, 11)]
+    rng = np.random.default_rng(seed)
+    baseline, canary = _one_hot_look(rng, True), _one_hot_look(rng, False)
+    assert sample_design_effect(baseline, "ttft_s", 0.95) > 10.0
+    guard = by_name(judge_latency(baseline, canary, cfg, look=10, information=info))["ttft_p95_guard"]
+    assert guard.verdict is Verdict.PASS, guard.detail
+    assert guard.interval is None  # no lower bound: an interval [0, upper] would claim one
+    assert "upper bound" in guard.detail
+    rng = np.random.default_rng(seed)
+    baseline, canary = _one_hot_look(rng, False), _one_hot_look(rng, True)
+    guard = by_name(judge_latency(baseline, canary, cfg, look=10, information=info))["ttft_p95_guard"]
+    assert guard.verdict is Verdict.INCONCLUSIVE
+    assert "reaches past the sample" in guard.detail
+
+
 def test_a_single_look_reaches_no_quantile_verdict():
     """Rule: a latency level shared by one look's requests is invisible inside that look, so with the looks as blocks
     nothing is decided on one look, however large the effect; the detail says why."""

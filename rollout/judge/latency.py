@@ -14,8 +14,11 @@ How a quantile ratio is bounded at each look (``rollout.judge.stats``):
 * each arm's quantile has exact order-statistic bounds at the look's level,
   widened to the block-robust (Woodruff, t on blocks - 1 df) band by the
   arm's design effect; never narrower than the iid band, never clipped: a
-  band that reaches past the sample leaves the gate INCONCLUSIVE and says how
-  many samples it needs;
+  bound whose rank lies past the sample does not exist, so a band past the
+  canary's top or the baseline's bottom leaves the pass side (the ratio's
+  upper bound) without a bound and the gate INCONCLUSIVE, one past the
+  baseline's top or the canary's bottom leaves the fail side without one
+  (the pass side reads neither);
 * blocks are the looks when the samples carry their look (``window``), else
   runs of ``RUN_BLOCK_REQUESTS`` consecutive samples. A latency level shared
   by all requests of a look is invisible inside one look, so no quantile gate
@@ -397,8 +400,8 @@ class _QuantileRatioBounds:
     ``upper`` is the pass-side bound (alpha); ``lowers`` holds the fail-side
     bound at each requested fail level (one per Holm step for guardrails).
     ``usable``: some look so far had bounds (enough samples and blocks, bands
-    inside the samples, non-degenerate); ``why_not`` says why the current one
-    has none ("" when it has). ``dropped``: non-finite/non-positive samples
+    inside the samples on the pass side, non-degenerate); ``why_not`` says why
+    the current one has none, or why its fail side has none ("" when it has both). ``dropped``: non-finite/non-positive samples
     removed (baseline, canary); ``errors``: failed requests counted as +inf;
     ``deff``/``blocks``: each arm's design effect and block count now.
     """
@@ -473,7 +476,10 @@ def _why_no_bounds(
             f"The p{round(q * 100)}'s exact rank band at level {level:.3g} needs >= {n_needed} samples per arm "
             f"(has {bb.n}/{cb.n}, failed requests included)."
         ), None, None
-    if not (bb.in_sample and cb.in_sample):
+    # The pass side (the ratio's upper bound) reads the baseline's lower rank and the canary's upper one
+    # only: a band past the sample on the other side (the baseline's upper, the canary's lower) leaves
+    # the fail side unbounded (MOVER gives -inf there), not the pass side.
+    if not (bb.lower_rank >= 1 and cb.upper_rank <= cb.n):
         return (
             f"The block-robust rank band (t on {df:.1f} df at level {level:.3g}, design effect "
             f"{bl.deff:.2f}/{cl.deff:.2f}{_pairing_text(pair.pairing, ' ')}) reaches past the sample: more samples or "
@@ -546,6 +552,11 @@ def _one_look_bounds(
     lowers = tuple(
         stats.mover_log_ratio_bounds(bl.band(q, level, df), cl.band(q, level, df))[1] for level in fail_levels
     )
+    if not all(map(math.isfinite, lowers)):
+        why_not = (
+            f"No lower bound yet: the baseline's upper or the canary's lower rank band (design effect "
+            f"{bl.deff:.2f}/{cl.deff:.2f}) reaches past the sample, so the {label} p{round(q * 100)} cannot fail here."
+        )
     return _OneLook(True, up, lowers, why_not, pair.pairing)
 
 
@@ -936,8 +947,8 @@ def judge_latency(
     +inf, alpha spending over ``max_looks``); the guardrails' rollback side is
     Holm-adjusted across the enabled guardrails; the promote side of each gate
     is at alpha (intersection-union). Fewer than ``min_requests_per_arm``
-    samples or 2 blocks in an arm, a band past the sample, or a zero-width
-    interval: inconclusive.
+    samples or 2 blocks in an arm, a pass-side band past the sample, or a
+    zero-width interval: inconclusive.
 
     ``information``, when given, holds the information fraction (requests so
     far / requests planned) of every look 1..look: alpha is then spent at

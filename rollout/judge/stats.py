@@ -36,9 +36,9 @@ Latency quantile ratios -- exact order-statistic bounds, widened for blocks.
     model. Each arm's q-quantile gets one-sided distribution-free bounds at
     the look's level a = 1 - Phi(c_k): the order statistics Y_(l), Y_(u) with
     P(Y_(u) >= xi_q) = P(Binomial(n, q) <= u - 1) >= 1 - a and likewise for l,
-    exact whatever the latency distribution (``quantile_band``). A quantile
-    is judged only when both ranks lie inside the sample (``samples_needed``
-    says when); nothing is clipped at the sample maximum.
+    exact whatever the latency distribution (``quantile_band``). A bound
+    whose rank lies outside the sample does not exist (``samples_needed``
+    says when the exact band fits); nothing is clipped at the sample maximum.
     Requests are not independent: a stall or a load level hits a run of
     consecutive requests. The unit of independence is a block (a look, or a
     run of consecutive requests); the variance of the share of samples below
