@@ -401,8 +401,9 @@ class _QuantileRatioBounds:
     bound at each requested fail level (one per Holm step for guardrails).
     ``usable``: some look so far had bounds (enough samples and blocks, bands
     inside the samples on the pass side, non-degenerate); ``why_not`` says why
-    the current one has none, or why its fail side has none ("" when it has both). ``dropped``: non-finite/non-positive samples
-    removed (baseline, canary); ``errors``: failed requests counted as +inf;
+    the current one has none, or why its fail side has none ("" when it has
+    both). ``dropped``: non-finite/non-positive samples removed (baseline,
+    canary); ``errors``: failed requests counted as +inf;
     ``deff``/``blocks``: each arm's design effect and block count now.
     """
 
