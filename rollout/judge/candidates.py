@@ -44,7 +44,7 @@ from rollout.judge.config import GatesConfig
 from rollout.judge.experiment_looks import LookPlan, judge_look_with_floor, stop_after
 from rollout.judge.names import OBJECTIVE_NAME
 from rollout.judge.prefix_cache import PrefixCacheLooks
-from rollout.judge.verdicts import Decision, GateResult, Verdict, decide, is_enabled, missing_gates
+from rollout.judge.verdicts import Decision, GateResult, Verdict, counted_gates, decide, missing_gates
 
 __all__ = ["TIE_TOLERANCE", "CandidateLooks", "CandidateResult", "CandidateChoice", "candidate_gates", "candidate_view",
            "choose_winner"]
@@ -157,7 +157,7 @@ class CandidateChoice:
 
 
 def _why_not_promoted(result: CandidateResult, cfg: GatesConfig) -> str:
-    gates = [g for g in result.gates if g.name.startswith("preflight") or is_enabled(g.name, cfg)]
+    gates = counted_gates(result.gates, cfg)
     failed = [g.name for g in gates if g.verdict is Verdict.FAIL]
     if failed:
         return "rolled back: " + ", ".join(failed) + " failed"

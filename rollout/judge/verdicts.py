@@ -27,6 +27,7 @@ __all__ = [
     "is_final",
     "is_enabled",
     "missing_gates",
+    "counted_gates",
 ]
 
 
@@ -91,7 +92,7 @@ def missing_gates(results: Sequence[GateResult], cfg: GatesConfig) -> list[str]:
     return [name for name in GATE_NAMES if is_enabled(name, cfg) and name not in present]
 
 
-def _considered(results: Sequence[GateResult], cfg: GatesConfig | None) -> list[GateResult]:
+def counted_gates(results: Sequence[GateResult], cfg: GatesConfig | None) -> list[GateResult]:
     """The results that count: gates the config enables, and gates it cannot name (preflight checks)."""
     if cfg is None:
         return list(results)
@@ -104,7 +105,7 @@ def decide(results: Sequence[GateResult], cfg: GatesConfig | None = None) -> Dec
     With ``cfg``, gates it does not enable are ignored, and a gate it enables that is
     missing from ``results`` makes PROMOTE impossible (INCONCLUSIVE unless a gate failed).
     """
-    considered = _considered(results, cfg)
+    considered = counted_gates(results, cfg)
     if any(r.verdict is Verdict.FAIL for r in considered):
         return Decision.ROLLBACK
     if cfg is not None and missing_gates(results, cfg):
@@ -120,7 +121,7 @@ def is_final(results: Sequence[GateResult], cfg: GatesConfig | None = None) -> b
     Only the gates in ``results`` count here (a phase asks about its own gates; the
     gates of other phases are not missing from it).
     """
-    considered = _considered(results, cfg)
+    considered = counted_gates(results, cfg)
     if any(r.verdict is Verdict.FAIL for r in considered):
         return True
     return bool(considered) and all(r.verdict is not Verdict.INCONCLUSIVE for r in considered)
