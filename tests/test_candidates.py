@@ -265,3 +265,21 @@ def test_candidates_that_already_lost_do_not_hold_the_experiments_stop():
     looks = CandidateLooks(("k2", "k3"), candidate_gates(CFG, 2), plan, settled_at={"k2": 0, "k3": 0})
     assert looks.look(1, [], [], [0.1], spec_of=lambda name: None, speculative={}) == "evidence"
     assert looks.gates == {}, "a candidate that lost before the experiment is not judged again"
+
+
+def test_a_candidate_is_lost_before_the_experiment_only_by_a_gate_the_run_judges():
+    """Rule: a candidate drops out of the experiment when its gates so far already decide a rollback, as the
+    final choice decides it: a failed preflight check or a judged accuracy gate. A FAIL of a gate the config
+    does not judge (output_divergence in gates.disabled, as sampled runs must) loses nothing; before, any
+    FAIL did, and the candidate's experiment gates were then never judged."""
+    from types import SimpleNamespace
+
+    from rollout.phases.candidates import lost_candidates
+
+    cfg = SimpleNamespace(gates=GatesConfig(disabled=["output_divergence"]))
+    ctx = SimpleNamespace(cfg=cfg, candidate_gates={
+        "k2": [gate("accuracy_noninferiority", Verdict.PASS), gate("output_divergence", Verdict.FAIL)],
+        "k3": [gate("accuracy_noninferiority", Verdict.FAIL), gate("output_divergence", Verdict.PASS)],
+        "k4": [gate("preflight_speculation", Verdict.FAIL)],
+    })
+    assert lost_candidates(ctx) == {"k3", "k4"}

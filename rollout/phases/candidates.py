@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from cluster.arms import BASELINE, CANARY
 from rollout.judge.candidates import CandidateResult, candidate_gates, choose_winner
-from rollout.judge.verdicts import Verdict
+from rollout.judge.verdicts import Decision, decide
 from rollout.result import CandidateSummary
 from rollout.run_context import RunContext
 
@@ -51,8 +51,11 @@ def choose_now(ctx: RunContext) -> None:
 
 
 def lost_candidates(ctx: RunContext) -> frozenset[str]:
-    """Candidates whose gates so far (preflight, accuracy) include a FAIL: they cannot win."""
-    return frozenset(name for name, gates in ctx.candidate_gates.items() if any(g.verdict == Verdict.FAIL for g in gates))
+    """Candidates whose gates so far (preflight, accuracy) already decide a rollback: they cannot win.
+    The rule is `decide`'s, as the final choice applies it: a FAIL of a gate the config does not judge
+    (gates.disabled) loses nothing."""
+    return frozenset(name for name, gates in ctx.candidate_gates.items()
+                     if decide(gates, ctx.cfg.gates) is Decision.ROLLBACK)
 
 
 def candidates_reason(ctx: RunContext) -> str:
