@@ -226,7 +226,9 @@ class RunContext:
         is then unknown: no verdict)."""
         self.router.set_canary_weight(weight)
         self.canary_weight = weight
-        self.store.update_run(self.run_id, canary_weight=weight)
+        # the phase with it, in one write: a reader of the row (status, the live /metrics) never sees
+        # the new weight under the phase before it (the finish's 100% while the row still said experiment)
+        self.store.update_run(self.run_id, canary_weight=weight, phase=phase)
         hooked = ""
         if self.cfg.weight_hook is not None:
             try:

@@ -218,3 +218,36 @@ def test_a_scrape_only_reads_the_store_and_an_interrupted_run_does_not_linger(tm
         assert time.monotonic() - started < 10
     finally:
         live.stop(linger=False)
+
+
+def test_the_runs_row_never_shows_a_new_weight_under_the_phase_before_it(tmp_path, monkeypatch):
+    """The finish's 100% and the phase it belongs to land in one write (a scrape of the live endpoint
+    saw phase=experiment with canary_weight 100 when the weight was written first)."""
+    from rollout.result import RunResult
+    from rollout.resume import ResumePoint
+    from rollout.run_context import RunContext
+    from rollout.store import RunStore
+    from rollout.judge.verdicts import Decision
+
+    cfg = config(tmp_path)
+    store = RunStore(tmp_path / "history.db")
+    store.create_run("r", cfg.name, "tiny", cfg.model_dump(mode="json"))
+    ctx = RunContext(cfg=cfg, run_id="r", run_dir=tmp_path / "r", store=store,
+                     result=RunResult(run_id="r", run_dir=tmp_path / "r", config=cfg), progress=lambda line: None,
+                     cache_dir=tmp_path, point=ResumePoint.fresh(), namespace="test")
+    ctx.router = SimpleNamespace(set_canary_weight=lambda weight: None)
+    ctx.set_canary_weight(10.0, "fleet", "up")
+    ctx.event("experiment", "look", "look 1")
+    rows: list[tuple[str, float]] = []
+    write = store.update_run
+
+    def every_write(run_id, **fields):
+        write(run_id, **fields)
+        row = store.run(run_id)
+        rows.append((row["phase"], row["canary_weight"]))
+
+    monkeypatch.setattr(store, "update_run", every_write)
+    ctx.result.decision, ctx.result.reason = Decision.PROMOTE, "every gate passed"
+    Finish().run(ctx)
+    assert rows and rows[-1] == ("decide", 100.0)
+    assert all(weight == 10.0 for phase, weight in rows if phase == "experiment"), rows
