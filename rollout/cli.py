@@ -114,10 +114,17 @@ def _cmd_run(args: argparse.Namespace) -> int:
         return EXIT_USAGE
     from rollout.config import ConfigError
 
+    from tinymodel.sizing import declared_cpu_share
+
     try:
         config = run_config(args)
     except ConfigError as exc:
         print(f"mtp-canary: bad config: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    try:
+        declared_cpu_share()  # read by the tiny model's sizing, once the run has started
+    except ValueError as exc:
+        print(f"mtp-canary: bad environment: {exc}", file=sys.stderr)
         return EXIT_USAGE
     return _start_run(config, args)
 

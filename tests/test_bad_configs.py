@@ -110,3 +110,11 @@ def test_an_override_out_of_range_is_one_line_too(tmp_path, capsys, monkeypatch)
     assert code == 2
     assert_one_line_naming(capsys.readouterr().err, "experiment.window_s")
     assert not (tmp_path / "runs").exists()
+
+
+@pytest.mark.parametrize("share", ["0", "1.5", "a quarter", "nan"])
+def test_a_bad_declared_cpu_share_is_one_line_naming_it(share, tmp_path, capsys, monkeypatch):
+    monkeypatch.setenv("MTP_CANARY_CPU_SHARE", share)
+    code, stdout, stderr, _ = run_in_process(REPO / "configs" / "local-cpu.yaml", tmp_path, capsys, monkeypatch)
+    assert code == 2 and stdout == ""
+    assert_one_line_naming(stderr, "MTP_CANARY_CPU_SHARE")

@@ -203,6 +203,10 @@ FAST = ProbeFigures(
 )
 
 
+# The probe of session 26's 2-vCPU Xeon VM (AMX): 14 layers at width 1024 predicted k=1 25 ms.
+SEEN_HERE = FAST.model_copy(update={"layer_ms": {2: 2.3808, 4: 2.4479}, "op_ms": 0.000911, "working_set_layers": 25})
+
+
 def _scaled(figures: ProbeFigures, factor: float, hidden: int | None = None, **update) -> ProbeFigures:
     hidden = hidden or figures.hidden_size
     width = (hidden / figures.hidden_size) ** 2
@@ -269,10 +273,24 @@ def test_slow_machine_search_narrows_the_model_fast_machine_probes_once():
     assert calls[0] == 1024 and len(calls) >= 2
     figures, choice = choose_size(probes)
     assert figures.hidden_size < 1024 and choice.layers >= 2 and choice.tpot_k1_ms <= 40
-    # In band at 1024 but k=3 short of the margin (a probe seen here): 1024 stays, 512 is not preferred.
+    # In band at 1024 with k=3 short of the margin but above the 1.5x floor (a probe seen here): 1024
+    # stays, 512 is not preferred.
     wide = FAST.model_copy(update={"layer_ms": {2: 2.6, 4: 3.1}, "op_ms": 0.0016})
+    assert choose_size([wide])[1].verdict == "thin_margin"
     figures, choice = choose_size([wide, _scaled(wide, 1.0, hidden=512)])
-    assert figures.hidden_size == 1024 and choice.in_band and choice.verdict in ("thin_margin", "slow_speedup")
+    assert figures.hidden_size == 1024 and choice.in_band and choice.verdict == "thin_margin"
+    calls.clear()
+    assert len(search_sizes(lambda w, d: calls.append(w) or _scaled(wide, 1.0, hidden=w), "bfloat16", (1024, 512))) == 1
+    # A replica at a quarter of a core (benchmarks/hogged.sh: work that outranks it on every core): at
+    # 1024 only the shallowest depths are in band and k=3 is under 1.5x there; 512 is in band and fast
+    # enough, so the search goes on to it and takes it.
+    quarter = lambda width, dtype: _scaled(SEEN_HERE, 4.0, hidden=width, cpu_share=0.25)  # noqa: E731
+    wide_choice = choose_size([quarter(1024, "bfloat16")])[1]
+    assert wide_choice.verdict == "slow_speedup" and wide_choice.in_band and wide_choice.speedup_k3 < 1.5
+    probes = search_sizes(quarter, "bfloat16", (1024, 512, 256))
+    figures, choice = choose_size(probes)
+    assert [p.hidden_size for p in probes] == [1024, 512] and figures.hidden_size == 512
+    assert choice.verdict in ("ok", "thin_margin") and choice.speedup_k3 >= 1.5 and choice.layers > wide_choice.layers
     # When nothing reaches the band, the smallest model there is, flagged.
     figures, choice = choose_size([_scaled(FAST, 40.0, hidden=w) for w in (1024, 512, 256)])
     assert (figures.hidden_size, choice.layers, choice.verdict) == (256, 2, "too_slow")
@@ -431,6 +449,34 @@ def test_the_probe_runs_in_seconds_and_reports_per_layer_times():
     assert figures.op_ms > 0 and figures.kernel in ("vllm-onednn", "torch")
     assert tiny_sizing.working_set_layers(1024, "bfloat16", llc=300 << 20) * 29 << 20 >= 400 << 20
     assert 2 <= tiny_sizing.working_set_layers(256, "float32", llc=None) <= 48
+
+
+def test_a_declared_cpu_share_divides_the_probes_times_and_keys_its_cache(tmp_path, monkeypatch):
+    """MTP_CANARY_CPU_SHARE: work that outranks the replicas on every core (CPU time cannot see it)."""
+    from tinymodel.sizing import CPU_SHARE_ENV, declared_cpu_share, replica_cpu_share
+
+    assert declared_cpu_share({}) is None and declared_cpu_share({CPU_SHARE_ENV: "0.25"}) == 0.25
+    for bad in ("0", "-1", "1.01", "nan", "quarter"):
+        with pytest.raises(ValueError, match=CPU_SHARE_ENV):
+            declared_cpu_share({CPU_SHARE_ENV: bad})
+    assert replica_cpu_share(None, None) == 1.0 and replica_cpu_share(0.5, None) == 0.5
+    assert replica_cpu_share(4.0, None) == 1.0 and replica_cpu_share(0.5, 0.25) == 0.25
+    # the key of a machine without it is unchanged; with it, another cache entry
+    plain = machine_key("AMD EPYC 7B13", EPYC_FLAGS.split(), None, "2.13.0")
+    assert plain == machine_key("AMD EPYC 7B13", EPYC_FLAGS.split(), None, "2.13.0", cpu_share=None)
+    assert plain != machine_key("AMD EPYC 7B13", EPYC_FLAGS.split(), None, "2.13.0", cpu_share=0.25)
+    # the probe divides its CPU times by the share (a child's: one thread, as the replicas run)
+    monkeypatch.setenv(CPU_SHARE_ENV, "0.5")
+    figures = tiny_sizing.run_probe(256, 1024, "float32", working_set_layers=2, block_s=0.02, blocks=2)
+    assert figures.cpu_share == 0.5
+    # the sizing says it, records it and caches it apart from the undeclared answer
+    lines = []
+    declared = size_tiny_model(tmp_path, lines.append, cpuinfo=CPUINFO_SPR, prober=_counting_prober(), reprobe=False)
+    assert declared.declared_cpu_share == 0.5 and f"CPU share 0.5 ({CPU_SHARE_ENV})" in declared.reason
+    monkeypatch.delenv(CPU_SHARE_ENV)
+    plain_sizing = size_tiny_model(tmp_path, lines.append, cpuinfo=CPUINFO_SPR, prober=_counting_prober(), reprobe=False)
+    assert not plain_sizing.cached and plain_sizing.declared_cpu_share is None and "CPU share" not in plain_sizing.reason
+    assert len(list((tmp_path / "machine-probe").iterdir())) == 2
 
 
 def test_a_cpu_quota_deepens_a_shallow_choice_and_nothing_else():
