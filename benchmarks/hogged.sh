@@ -27,6 +27,15 @@
 # caller's group's weight is split across the cores by its load there). A plain Ray worker beside
 # a hog, in the caller's group, got the quarter or less. HOGGED_AUTOGROUP=0 turns autogroup off
 # for the command (root) and back on after it: then the servers get the quarter above too.
+#
+# The tiny model's sizing probe times CPU, which the hogs cannot slow: by itself it would size the
+# model for the unhogged machine, and the replicas would then run it at 4x the TPOT, where a machine
+# that is really 4x slower gets a smaller model from the same probe (tinymodel/sizing.py). So where
+# nice compares across the machine (autogroup off or absent) this exports MTP_CANARY_CPU_SHARE, the
+# share of a core a nice-15 replica gets beside a hog (0.247 at hog nice 10): the probe divides its
+# times by it and sizes the model as that slower machine would (its own cache entry; the unhogged
+# size stays cached apart). HOGGED_PROBE=blind keeps the unhogged size (the harsher test session 26
+# measured: the full-size model at a quarter of the speed).
 set -euo pipefail
 if [[ $# -lt 2 ]]; then
   echo "usage: $0 NICE COMMAND [ARGS...]   (NICE: the hogs' niceness, e.g. 10; Ray's actors run at 15)" >&2
@@ -50,6 +59,19 @@ if [[ -r "$autogroup" && "$(cat "$autogroup")" == 1 ]]; then
     echo "hogged: autogroup is on: the vLLM servers (sessions of their own) get about half of a core, not a" \
          "quarter (HOGGED_AUTOGROUP=0 turns it off for the command)" >&2
   fi
+fi
+# CFS weights of nice 0..19 (kernel/sched/core.c sched_prio_to_weight)
+weights=(1024 820 655 526 423 335 272 215 172 137 110 87 70 56 45 36 29 23 18 15)
+replica_nice=15
+nice_compares=1
+if [[ -r "$autogroup" && "$(cat "$autogroup")" == 1 ]]; then nice_compares=0; fi
+if [[ "${HOGGED_PROBE:-}" != blind && "$nice_compares" == 1 && "$hog_nice" -ge 0 && "$hog_nice" -le 19 ]]; then
+  share=$(awk -v r="${weights[$replica_nice]}" -v h="${weights[$hog_nice]}" 'BEGIN { printf "%.3f", r / (r + h) }')
+  export MTP_CANARY_CPU_SHARE="$share"
+  echo "hogged: MTP_CANARY_CPU_SHARE=$share (the tiny model is sized for a replica at that share of a core;" \
+       "HOGGED_PROBE=blind keeps the unhogged size)" >&2
+else
+  echo "hogged: the tiny model keeps the unhogged machine's size (the probe times CPU, which the hogs do not slow)" >&2
 fi
 for ((core = 0; core < $(nproc); core++)); do
   # one per core, pinned, so each core has one (a floating pair can meet on one core)
