@@ -254,6 +254,9 @@ def test_more_rows_never_predicted_cheaper_and_a_quota_raises_the_overhead():
     assert predict_lines(noisy)[3].per_layer_ms == pytest.approx(predict_lines(FAST.model_copy(update={"layer_ms": {2: 4.8, 4: 4.8}}))[3].per_layer_ms)
     quota = FAST.model_copy(update={"cpu_share": 0.25})
     assert predict_lines(quota)[1].overhead_ms > 1.5 * predict_lines(FAST)[1].overhead_ms
+    # a declared share (CPU hogs that outrank the replicas, not a quota): the probe's times, as they are
+    declared = quota.model_copy(update={"cpu_share_declared": True})
+    assert predict_lines(declared)[1].overhead_ms == pytest.approx(predict_lines(FAST)[1].overhead_ms)
 
 
 def test_slow_machine_search_narrows_the_model_fast_machine_probes_once():
@@ -284,7 +287,7 @@ def test_slow_machine_search_narrows_the_model_fast_machine_probes_once():
     # A replica at a quarter of a core (benchmarks/hogged.sh: work that outranks it on every core): at
     # 1024 only the shallowest depths are in band and k=3 is under 1.5x there; 512 is in band and fast
     # enough, so the search goes on to it and takes it.
-    quarter = lambda width, dtype: _scaled(SEEN_HERE, 4.0, hidden=width, cpu_share=0.25)  # noqa: E731
+    quarter = lambda width, dtype: _scaled(SEEN_HERE, 4.0, hidden=width, cpu_share=0.25, cpu_share_declared=True)  # noqa: E731
     wide_choice = choose_size([quarter(1024, "bfloat16")])[1]
     assert wide_choice.verdict == "slow_speedup" and wide_choice.in_band and wide_choice.speedup_k3 < 1.5
     probes = search_sizes(quarter, "bfloat16", (1024, 512, 256))
@@ -468,7 +471,7 @@ def test_a_declared_cpu_share_divides_the_probes_times_and_keys_its_cache(tmp_pa
     # the probe divides its CPU times by the share (a child's: one thread, as the replicas run)
     monkeypatch.setenv(CPU_SHARE_ENV, "0.5")
     figures = tiny_sizing.run_probe(256, 1024, "float32", working_set_layers=2, block_s=0.02, blocks=2)
-    assert figures.cpu_share == 0.5
+    assert figures.cpu_share == 0.5 and figures.cpu_share_declared
     # the sizing says it, records it and caches it apart from the undeclared answer
     lines = []
     declared = size_tiny_model(tmp_path, lines.append, cpuinfo=CPUINFO_SPR, prober=_counting_prober(), reprobe=False)

@@ -88,7 +88,11 @@ CALIBRATION: dict[str, Any] = {
     # busy-polling (shm_broadcast sched_yield()s for up to 1 s after each read)
     # burns quota a slow but unthrottled core would not charge: the fixed
     # overhead measured 2.1x (k=1) / 2.6x (k=3) what the probe predicted at 25 %
-    # of a core (L=2, hidden 256: TPOT 74 / 48 ms). Applied when the quota is < 1.
+    # of a core (L=2, hidden 256: TPOT 74 / 48 ms). Applied when the quota is < 1. Not for a
+    # declared share (MTP_CANARY_CPU_SHARE): beside CPU hogs that outrank them the replicas' processes
+    # are not charged for the polling as under a quota. Measured (benchmarks/hogged.sh 10, share
+    # 0.247, Xeon VM): 3 layers x 512 ran the demo at k=1 TPOT p50 15.3 ms, where the probe said 25
+    # with the factor and 16 without it.
     "quota_overhead_factor": 2.3,
 }
 
@@ -230,6 +234,9 @@ class ProbeFigures(BaseModel):
         description="CPU a thread may have (MTP_CANARY_CPU_SHARE, else the cgroup quota, capped at 1): times are CPU time / this",
     )
     cpu_share_seen: float = Field(1.0, description="CPU time / wall time the probe got (below cpu_share: a busy machine)")
+    cpu_share_declared: bool = Field(
+        False, description="cpu_share is MTP_CANARY_CPU_SHARE's, not a cgroup quota's (no quota_overhead_factor then)"
+    )
     wall_s: float
 
 
@@ -354,7 +361,8 @@ def run_probe(
             x = x + layer["down"](F.silu(gate) * up)
         return x
 
-    share = replica_cpu_share(cgroup_cpu_limit(), declared_cpu_share())
+    declared = declared_cpu_share()
+    share = replica_cpu_share(cgroup_cpu_limit(), declared)
     xs = {m: torch.full((m, h), 0.01, dtype=torch_dtype) for m in rows}
     a, b = torch.ones(8, 64), torch.ones(8, 64)
     fns: dict[Any, Callable[[], Any]] = {m: (lambda x=x: step(x)) for m, x in xs.items()}
@@ -372,6 +380,7 @@ def run_probe(
         kernel="vllm-onednn" if lib else "torch",
         cpu_share=round(share, 3),
         cpu_share_seen=round(cpu_share_seen, 3),
+        cpu_share_declared=declared is not None,
         wall_s=round(time.perf_counter() - t_start, 2),
     )
 
@@ -451,7 +460,7 @@ class TpotLine(BaseModel):
 def predict_lines(figures: ProbeFigures, calibration: dict[str, Any] | None = None) -> dict[int, TpotLine]:
     """TPOT lines of k=1 and k=3 from probe figures (perfect drafts: k + 1 tokens per step).
 
-    step_ms(k, L) = overhead_ops * op_ms [* quota_overhead_factor under a quota < 1 CPU]
+    step_ms(k, L) = overhead_ops * op_ms [* quota_overhead_factor under a cgroup quota < 1 CPU]
                     + (layer_scale[k] * L + draft_layers * k) * layer_ms(k + 1)
     where layer_ms(rows) is never taken below layer_ms(2) (more rows never cost less; the probe's noise can say so).
     """
@@ -466,7 +475,7 @@ def predict_lines(figures: ProbeFigures, calibration: dict[str, Any] | None = No
             layer_ms = figures.layer_ms[min(figures.layer_ms, key=lambda m: abs(m - rows))]
         layer_ms = max(layer_ms, base)
         fixed = c["overhead_ops"] * figures.op_ms
-        if figures.cpu_share < 1:
+        if figures.cpu_share < 1 and not figures.cpu_share_declared:
             fixed *= c.get("quota_overhead_factor", 1.0)
         lines[k] = TpotLine(
             overhead_ms=(fixed + c["draft_layers"] * k * layer_ms) / rows,
