@@ -65,7 +65,7 @@ BAND_MS = (15.0, 40.0)
 MIN_SPEEDUP_K3 = 1.5
 SPEEDUP_MARGIN = 0.1  # the choice asks the model for 1.6x: the probe's figures are +-20 % on a shared host
 LAYER_RANGE = (2, 48)  # the sane depths: >= 2 (layer 0 global attention, then sliding), <= 2x the default
-HIDDEN_CHOICES = (1024, 512, 256)  # widths tried in order when even LAYER_RANGE[0] layers are too slow
+HIDDEN_CHOICES = (1024, 512, 256)  # widths tried in order (search_sizes: while the wider cannot do)
 PROBE_TIMEOUT_S = 120.0
 REPROBE_ENV = "MTP_CANARY_REPROBE"  # set to 1 to ignore the cached answer and probe again
 # The share of one core each replica will get, where that is less than the CPU: work that outranks
@@ -546,9 +546,10 @@ def choose_layers(
 
 # How choose_size ranks the widths' choices (lower is better; a tie keeps the wider). In band with
 # k=3 below MIN_SPEEDUP_K3 ("slow_speedup") ranks below a narrower width that is in band and fast
-# enough: the issue's floor is 1.5x. Seen with the replicas at a quarter of a core (benchmarks/hogged.sh):
-# at width 1024 only 2 layers are in band, where k=3 is ~1.4x faster (the fixed per-step work outweighs
-# the layers'); width 512 gives 4 layers at 1.7x.
+# enough: the issue's floor is 1.5x. Seen with the replicas at a quarter of a core (benchmarks/hogged.sh,
+# MTP_CANARY_CPU_SHARE=0.247, Xeon VM): at width 1024 only 2 layers are in band, where k=3 is predicted
+# ~1.3x faster (the fixed per-step work outweighs the layers'); width 512 gave 8 layers at 1.69x
+# predicted, and the demo measured TPOT p50 28.2 vs 18.7 ms (1.51x).
 VERDICT_RANK = {"ok": 0, "thin_margin": 0, "quota_depth": 0, "slow_speedup": 1, "too_fast": 2, "too_slow": 3}
 SEARCH_ON = frozenset({"too_slow", "slow_speedup"})  # verdicts that make search_sizes try the next narrower width
 
