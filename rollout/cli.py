@@ -114,19 +114,27 @@ def _cmd_run(args: argparse.Namespace) -> int:
         return EXIT_USAGE
     from rollout.config import ConfigError
 
-    from tinymodel.sizing import declared_cpu_share
-
     try:
         config = run_config(args)
     except ConfigError as exc:
         print(f"mtp-canary: bad config: {exc}", file=sys.stderr)
         return EXIT_USAGE
-    try:
-        declared_cpu_share()  # read by the tiny model's sizing, once the run has started
-    except ValueError as exc:
-        print(f"mtp-canary: bad environment: {exc}", file=sys.stderr)
+    if _refuse_bad_environment("run"):
         return EXIT_USAGE
     return _start_run(config, args)
+
+
+def _refuse_bad_environment(command: str) -> bool:
+    """True (after one line on stderr) when an environment variable the run reads later is malformed:
+    MTP_CANARY_CPU_SHARE, which the tiny model's sizing reads once the run has started."""
+    from tinymodel.sizing import declared_cpu_share
+
+    try:
+        declared_cpu_share()
+    except ValueError as exc:
+        print(f"mtp-canary {command}: bad environment: {exc}", file=sys.stderr)
+        return True
+    return False
 
 
 def _start_run(config: RolloutConfig, args: argparse.Namespace) -> int:
@@ -226,7 +234,7 @@ def _cmd_resume(args: argparse.Namespace) -> int:
         print(f"mtp-canary resume: run {args.run_id} is still controlled by {run['controller']} ({how})", file=sys.stderr)
         return EXIT_USAGE
     config = _resume_config(args, run)
-    if config is None:
+    if config is None or _refuse_bad_environment("resume"):
         return EXIT_USAGE
     display = _progress_display()
     return _drive(
@@ -280,6 +288,8 @@ def _cmd_make_model(args: argparse.Namespace) -> int:
             options = TinyModelOptions(num_layers=layers, hidden_size=hidden, dtype=dtype)
         except ValueError as exc:
             print(f"mtp-canary make-model: {exc}", file=sys.stderr)
+            return EXIT_USAGE
+        if _refuse_bad_environment("make-model"):
             return EXIT_USAGE
         sizing = size_tiny_model(DEFAULT_CACHE, print, options=options)  # explicit flags win over the probe
         layers, hidden, dtype = sizing.num_layers, sizing.hidden_size, sizing.dtype

@@ -118,3 +118,7 @@ def test_a_bad_declared_cpu_share_is_one_line_naming_it(share, tmp_path, capsys,
     code, stdout, stderr, _ = run_in_process(REPO / "configs" / "local-cpu.yaml", tmp_path, capsys, monkeypatch)
     assert code == 2 and stdout == ""
     assert_one_line_naming(stderr, "MTP_CANARY_CPU_SHARE")
+    # make-model --auto-size reads it too
+    assert cli.main(["make-model", str(tmp_path / "model"), "--auto-size"]) == 2
+    assert_one_line_naming(capsys.readouterr().err, "MTP_CANARY_CPU_SHARE")
+    assert not (tmp_path / "model").exists()

@@ -223,11 +223,11 @@ def test_a_scrape_only_reads_the_store_and_an_interrupted_run_does_not_linger(tm
 def test_the_runs_row_never_shows_a_new_weight_under_the_phase_before_it(tmp_path, monkeypatch):
     """The finish's 100% and the phase it belongs to land in one write (a scrape of the live endpoint
     saw phase=experiment with canary_weight 100 when the weight was written first)."""
+    from rollout.judge.verdicts import Decision
     from rollout.result import RunResult
     from rollout.resume import ResumePoint
     from rollout.run_context import RunContext
     from rollout.store import RunStore
-    from rollout.judge.verdicts import Decision
 
     cfg = config(tmp_path)
     store = RunStore(tmp_path / "history.db")

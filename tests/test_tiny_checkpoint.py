@@ -468,7 +468,7 @@ def test_a_declared_cpu_share_divides_the_probes_times_and_keys_its_cache(tmp_pa
     plain = machine_key("AMD EPYC 7B13", EPYC_FLAGS.split(), None, "2.13.0")
     assert plain == machine_key("AMD EPYC 7B13", EPYC_FLAGS.split(), None, "2.13.0", cpu_share=None)
     assert plain != machine_key("AMD EPYC 7B13", EPYC_FLAGS.split(), None, "2.13.0", cpu_share=0.25)
-    # the probe divides its CPU times by the share (a child's: one thread, as the replicas run)
+    # the probe divides its CPU times by the share and says it came from the environment
     monkeypatch.setenv(CPU_SHARE_ENV, "0.5")
     figures = tiny_sizing.run_probe(256, 1024, "float32", working_set_layers=2, block_s=0.02, blocks=2)
     assert figures.cpu_share == 0.5 and figures.cpu_share_declared
