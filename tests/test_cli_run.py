@@ -291,7 +291,9 @@ def test_speculation_that_loses_the_distribution_under_sampling_rolls_back_on_ac
         "vLLM keeps the distribution under sampling, this config promotes: re-measure with "
         "benchmarks/sampled_speculation.py and update README's 'Sampled speculation on vLLM CPU'")
     assert failed_gates(doc) == {"accuracy_noninferiority"}
-    assert accuracy["canary"] < 0.5
+    # clearly below the baseline; how far depends on the model the machine's probe picked (15 x 1024:
+    # ~0.2; 8 x 512, sized for a quarter of a core beside CPU hogs: 0.729 of 48 items once)
+    assert accuracy["canary"] < accuracy["baseline"] - 0.05
     assert wait_no_server_processes() == []
 
 
