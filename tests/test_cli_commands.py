@@ -103,13 +103,34 @@ def test_status_text(runs, capsys):
     assert "PAUSED" in out and "step 2, canary weight 50%" in out and "guard_error_rate" in out
 
 
-def test_status_watch_prints_each_change_until_the_run_ends_and_exits_as_run_did(runs, capsys):
+def test_status_watch_prints_each_change_until_the_run_ends_and_exits_as_run_did(runs, capsys, monkeypatch):
+    # Each change waits for a read of the state before it (not a fixed sleep): the watch's first read
+    # comes after its first import of rollout.status (0.8 s here, more on a slow machine; a sleep of
+    # 0.6 s let the first change land before it when the test ran alone).
+    import rollout.status
+
+    reads = threading.Semaphore(0)
+    read_status = rollout.status.run_status
+
+    def counted(store, run_id):
+        doc = read_status(store, run_id)
+        reads.release()
+        return doc
+
+    monkeypatch.setattr(rollout.status, "run_status", counted)
+
+    def a_read_since() -> None:
+        while reads.acquire(blocking=False):  # reads before this moment do not count
+            pass
+        # the first read to end now may have begun before it: the second began after
+        assert reads.acquire(timeout=60) and reads.acquire(timeout=60), "the watch stopped reading"
+
     def the_run_goes_on():
-        time.sleep(0.6)
+        assert reads.acquire(timeout=60), "the watch never read"
         store = RunStore(runs / "history.db")
         store.put_phase_result("r-live", "progressive", 2, {"step": 1, "canary_weight": 50.0,
                                                             "gates": [gate("guard_error_rate", "fail")]})
-        time.sleep(0.6)
+        a_read_since()
         store.update_run("r-live", status="done", decision="rollback", exit_code=3, reason="guard_error_rate failed")
         store.close()
 
