@@ -45,6 +45,7 @@ hog_nice="$1"; shift
 hogs=()
 autogroup=/proc/sys/kernel/sched_autogroup_enabled
 restore_autogroup=""
+nice_compares=1  # 0 while autogroup stays on: nice then orders tasks only inside their session
 cleanup() {
   for pid in "${hogs[@]}"; do kill "$pid" 2>/dev/null || true; done
   if [[ -n "$restore_autogroup" ]]; then echo "$restore_autogroup" > "$autogroup"; fi
@@ -56,6 +57,7 @@ if [[ -r "$autogroup" && "$(cat "$autogroup")" == 1 ]]; then
     restore_autogroup=1
     echo "hogged: autogroup off for the command (nice compares across sessions: the vLLM servers get ~25%)" >&2
   else
+    nice_compares=0
     echo "hogged: autogroup is on: the vLLM servers (sessions of their own) get about half of a core, not a" \
          "quarter (HOGGED_AUTOGROUP=0 turns it off for the command)" >&2
   fi
@@ -63,8 +65,6 @@ fi
 # CFS weights of nice 0..19 (kernel/sched/core.c sched_prio_to_weight)
 weights=(1024 820 655 526 423 335 272 215 172 137 110 87 70 56 45 36 29 23 18 15)
 replica_nice=15
-nice_compares=1
-if [[ -r "$autogroup" && "$(cat "$autogroup")" == 1 ]]; then nice_compares=0; fi
 if [[ "${HOGGED_PROBE:-}" != blind && "$nice_compares" == 1 && "$hog_nice" -ge 0 && "$hog_nice" -le 19 ]]; then
   share=$(awk -v r="${weights[$replica_nice]}" -v h="${weights[$hog_nice]}" 'BEGIN { printf "%.3f", r / (r + h) }')
   export MTP_CANARY_CPU_SHARE="$share"
