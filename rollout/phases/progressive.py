@@ -1,6 +1,10 @@
 """The progressive phase in the run: canary weight steps with bake time for a canary the
-experiment judged fit (or when the steps are the only judge); the judged verdict stands only
-if every step holds. A resumed run continues after the last committed step."""
+experiment judged fit (or when nothing was judged before them); the judged verdict stands only
+if every step holds. A resumed run continues after the last committed step.
+
+The steps' guards only raise alarms (errors, absolute SLOs on the canary's live data): they
+compare nothing with the baseline. So the steps may turn a judged PROMOTE into ROLLBACK, and a
+run that judged nothing into ROLLBACK, but never an unjudged run into PROMOTE."""
 
 from __future__ import annotations
 
@@ -18,6 +22,7 @@ from rollout.resume import PROGRESSIVE_OUTCOME, ProgressiveVerdict
 from rollout.run_context import RunContext
 
 PROGRESSIVE_SEED_OFFSET = 1000  # the progressive load's prompts differ from the experiment's
+UNJUDGED = "no accuracy or experiment gate was judged before the steps (guards only raise alarms)"
 
 
 def advisory_reason(cfg) -> str | None:
@@ -65,6 +70,8 @@ class Progressive:
         advisory = advisory_reason(ctx.cfg)
         if advisory:
             ctx.say(f"progressive: {advisory}")
+        if ctx.result.decision != Decision.PROMOTE:
+            ctx.say(f"progressive: {UNJUDGED}: the steps can roll the canary back, they cannot promote it")
         ctx.event("progressive", "start", f"{len(prog.steps)} steps" + (f"; {advisory}" if advisory else ""))
         t0 = time.monotonic()
         outcome = run_progressive(self._context(ctx, first_step, previous[-1] if previous else None))
@@ -111,9 +118,14 @@ class Progressive:
     def _apply(ctx: RunContext, decision: Decision, reason: str, guards: list[GateResult]) -> None:
         judged_promote = ctx.result.decision == Decision.PROMOTE
         ctx.result.gates += guards
+        if decision == Decision.PROMOTE and not judged_promote:
+            # guards that held are no evidence for the canary: the run's own verdict stands
+            ctx.result.decision = Decision.INCONCLUSIVE
+            ctx.result.reason = f"{reason}, but {UNJUDGED}, so the run cannot promote; {ctx.result.reason}"
+            return
         ctx.result.decision = decision
-        # a PROMOTE keeps the experiment's reasons when it had them; otherwise the steps are the reason
-        if decision != Decision.PROMOTE or not judged_promote:
+        # a PROMOTE keeps the experiment's reasons; otherwise the steps are the reason
+        if decision != Decision.PROMOTE:
             ctx.result.reason = reason
 
     @staticmethod
