@@ -3,7 +3,9 @@
 Owns the "Rollout" tab of the master's web UI (Locust's own extension points: the
 `extendedTabs` / `extendedTables` template arguments, and `extendedStats` rows added to
 the `/stats/requests` answer the UI polls every 2 s), the Promote / Abort panel shown on
-that tab, and the `/mtp-console/*` routes behind them.
+that tab, the `/mtp-console/*` routes behind them, and the guard of every route of the master's
+web UI, Locust's own included (`guard`: no route readable by another site's page, no request from
+one that changes the load, and none of Locust's controls while mtp-canary drives the load).
 
 `loadtests` never imports `rollout` (and Locust never runs next to Ray), so the master
 learns the run from its environment (`console_spec` puts it there) and asks the CLI in a
@@ -34,6 +36,8 @@ from urllib.parse import urlsplit
 from pydantic import BaseModel, ConfigDict, ValidationError
 
 from loadtests.options import BEARER_TOKEN_ENV
+
+PARENT_PID_ENV = "MTP_CANARY_PARENT_PID"  # set by the Swarm that starts a Locust (loadtests.swarm)
 
 if TYPE_CHECKING:
     from loadtests.swarm import SwarmSpec
@@ -266,6 +270,78 @@ def refusal(headers: Any, host: str, token: str | None) -> tuple[int, str] | Non
     return None
 
 
+# methods a browser sends without asking (a form's POST) or only after a preflight; either
+# way they change the load, so they are judged here, never left to CORS
+SAFE_METHODS = frozenset({"GET", "HEAD", "OPTIONS"})
+
+
+def control_refusal(method: str, headers: Any, host: str, managed: bool, web_login: bool = False,
+                    locust_route: bool = True) -> tuple[int, str] | None:
+    """Why a request to the web UI must be refused (status, message), or None.
+
+    Locust serves `POST /swarm` (host, users, any parsed option), `/stop`, `/stats/reset` and
+    `/user` with no auth, so every state-changing request from another site's page is refused;
+    while mtp-canary drives the load (`managed`), Locust's own controls are refused outright (the
+    run's offered load is part of the measurement: Abort is the operator's way out); standalone,
+    they are this UI's own page's on a loopback Host (a DNS-rebinding page cannot), or behind
+    Locust's --web-login."""
+    if method.upper() in SAFE_METHODS:
+        return None
+    origin = headers.get("Origin")
+    if cross_origin(headers, host) or headers.get("Sec-Fetch-Site") in ("cross-site", "same-site"):
+        return 403, f"requests that change the load are accepted from this UI only (Origin {origin})"
+    if not locust_route:
+        return None  # the console's commands: `refusal` judges them
+    if managed:
+        return 403, ("mtp-canary drives this load: Locust's controls are off for the run "
+                     "(stop it with the Rollout tab's Abort or `mtp-canary abort RUN_ID`)")
+    if not web_login and (urlsplit(f"//{host}").hostname or "") not in LOOPBACK_HOSTS:
+        return 403, f"without --web-login, the load is controlled through a loopback address only (Host {host})"
+    return None
+
+
+def managed_by_run(env: dict[str, str] | None = None) -> bool:
+    """This Locust runs for mtp-canary (a run named, or a Swarm that started it), not for a person."""
+    env = dict(os.environ) if env is None else env
+    return bool(env.get(RUN_ID_ENV) or env.get(PARENT_PID_ENV))
+
+
+def guard(environment: Any, managed: bool | None = None) -> bool:
+    """Guard the master's web UI (every route, Locust's included); False when there is no UI.
+
+    No route is readable by another site's page (Locust's app turns CORS on for every route),
+    and `control_refusal` judges every request that could change the load."""
+    web_ui = getattr(environment, "web_ui", None)
+    if web_ui is None:
+        return False
+    from flask import Response, jsonify, request
+    from flask_cors.core import FLASK_CORS_EVALUATED
+
+    if getattr(web_ui, "_mtp_guarded", False):
+        return True
+    web_ui._mtp_guarded = True
+    managed = managed_by_run() if managed is None else managed
+    app = web_ui.app
+
+    @app.before_request
+    def _refuse() -> tuple[Response, int] | None:
+        endpoint = request.endpoint or ""
+        refused = control_refusal(request.method, request.headers, request.host, managed,
+                                  web_login=bool(getattr(web_ui, "web_login", False)),
+                                  locust_route=not endpoint.startswith("_console"))
+        if refused is None:
+            return None
+        return jsonify({"success": False, "ok": False, "message": refused[1]}), refused[0]
+
+    @app.after_request
+    def _same_origin_only(response: Response) -> Response:
+        # flask-cors's hook runs after this one (registered first) and skips a response marked evaluated
+        setattr(response, FLASK_CORS_EVALUATED, True)
+        return response
+
+    return True
+
+
 def install(environment: Any, settings: ConsoleSettings | None = None) -> bool:
     """Add the Rollout tab and its routes to the master's web UI; False when there is no UI or no run."""
     settings = settings or ConsoleSettings.from_env()
@@ -273,8 +349,8 @@ def install(environment: Any, settings: ConsoleSettings | None = None) -> bool:
     if settings is None or web_ui is None:
         return False
     from flask import Response, jsonify, request
-    from flask_cors.core import FLASK_CORS_EVALUATED
 
+    guard(environment)  # once per UI: the locustfile guards every master's UI, with or without a run
     source = StatusSource(settings)
     web_ui.template_args["extendedTabs"] = [{"title": TAB_TITLE, "key": TAB_KEY}]
     web_ui.template_args["extendedTables"] = [{"key": TAB_KEY, "structure": COLUMNS}]
@@ -283,12 +359,7 @@ def install(environment: Any, settings: ConsoleSettings | None = None) -> bool:
 
     @app.after_request
     def _extend(response: Response) -> Response:
-        if request.path.startswith(ROUTE + "/"):
-            # Locust's app lets every origin read every route (flask-cors, whose hook runs after
-            # this one and skips a response marked evaluated): the console's routes are this
-            # UI's only, so another site's page can neither read the run's gates nor preflight a command
-            setattr(response, FLASK_CORS_EVALUATED, True)
-        elif request.endpoint == "locust.request_stats" and response.status_code == 200 and response.is_json \
+        if request.endpoint == "locust.request_stats" and response.status_code == 200 and response.is_json \
                 and not cross_origin(request.headers, request.host):  # Locust's own stats stay open as Locust makes them; the Rollout rows do not
             body = response.get_json()
             status, problem = source.current()

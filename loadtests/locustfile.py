@@ -184,6 +184,8 @@ def _on_init(environment: Environment, **_kwargs) -> None:
     except ValueError as exc:
         logger.error("invalid load test options: %s", exc)
         sys.exit(2)
+    if console.guard(environment):  # any web UI: Locust's own routes steer the load and answer every origin
+        logger.info("web UI: cross-origin and (under mtp-canary) all load-changing requests are refused")
     if console.install(environment):  # only with a web UI and a run to show (console_spec)
         logger.info("rollout console: the %r tab of the web UI", console.TAB_TITLE)
     collector = RecordCollector(options.records, cpu_warn_pct=options.cpu_warn_pct, lag_warn_ms=options.lag_warn_ms)
