@@ -14,19 +14,19 @@
 # engine cores, the router, the Locust workers) by about 4x and the rest by ~10%. The CFS
 # weights: nice 10 = 110, nice 15 = 36, nice 0 = 1024, so a nice-15 process beside a nice-10
 # hog gets 36 / (36 + 110) = 25% of the core, a nice-0 one 1024 / (1024 + 110) = 90%.
-# The issue that asked for it (10) names both ways. The hogs end with the command.
+# The hogs end with the command.
 #
 # Those shares hold only where nice values compare across the whole machine. With the kernel's
 # autogroup on (/proc/sys/kernel/sched_autogroup_enabled = 1, the default on many distributions),
 # each session is a group that shares a core fairly with the others, and nice orders tasks only
 # inside their group. Each vLLM server starts in a session of its own (cluster/replica.py, so that
 # it stops as a whole; the Locust processes too), so beside the hogs (the caller's session, with
-# the driver and Ray's own workers) the servers' engine processes got 35-55% of their core
-# (measured per 5 s in a hogged `make demo` on the Intel VM of session 26): about half speed, not
-# a quarter, and the two replicas' shares swung against each other for tens of seconds (the
-# caller's group's weight is split across the cores by its load there). A plain Ray worker beside
-# a hog, in the caller's group, got the quarter or less. HOGGED_AUTOGROUP=0 turns autogroup off
-# for the command (root) and back on after it: then the servers get the quarter above too.
+# the driver and Ray's own workers) the servers' engine processes get about half of their core,
+# not a quarter, and the two replicas' shares swing against each other (the caller's group's
+# weight is split across the cores by its load there); docs/performance.md has the measured
+# shares. A plain Ray worker beside a hog, in the caller's group, gets the quarter or less.
+# HOGGED_AUTOGROUP=0 turns autogroup off for the command (root) and back on after it: then the
+# servers get the quarter above too.
 #
 # The tiny model's sizing probe times CPU, which the hogs cannot slow: by itself it would size the
 # model for the unhogged machine, and the replicas would then run it at 4x the TPOT, where a machine
@@ -34,8 +34,8 @@
 # nice compares across the machine (autogroup off or absent) this exports MTP_CANARY_CPU_SHARE, the
 # share of a core a nice-15 replica gets beside a hog (0.247 at hog nice 10): the probe divides its
 # times by it and sizes the model as that slower machine would (its own cache entry; the unhogged
-# size stays cached apart). HOGGED_PROBE=blind keeps the unhogged size (the harsher test session 26
-# measured: the full-size model at a quarter of the speed).
+# size stays cached apart). HOGGED_PROBE=blind keeps the unhogged size (the harsher test: the
+# full-size model at a quarter of the speed).
 set -euo pipefail
 if [[ $# -lt 2 ]]; then
   echo "usage: $0 NICE COMMAND [ARGS...]   (NICE: the hogs' niceness, e.g. 10; Ray's actors run at 15)" >&2

@@ -203,7 +203,7 @@ FAST = ProbeFigures(
 )
 
 
-# The probe of session 26's 2-vCPU Xeon VM (AMX): 14 layers at width 1024 predicted k=1 25 ms.
+# The probe of a 2-vCPU Xeon VM with AMX: 14 layers at width 1024 predicted k=1 25 ms.
 SEEN_HERE = FAST.model_copy(update={"layer_ms": {2: 2.3808, 4: 2.4479}, "op_ms": 0.000911, "working_set_layers": 25})
 
 
