@@ -4,12 +4,20 @@
 - `rollout/judge` imports nothing else of `rollout`, nor Ray, HTTP clients or SQLite;
 - no import cycle between the project's modules (type-only imports count too);
 - no class in `rollout/` over 350 lines, no function over 80;
-- every module says what it owns in a docstring.
+- every module says what it owns in a docstring;
+- no file in the tree narrates the project's own development history (numbered work sessions,
+  "stop N's" runs): the README is a manual, and git keeps history;
+- README.md is a manual a newcomer reads in ten minutes (at most 250 lines), whose two commands
+  are Makefile targets, and every relative link in README.md and docs/ points at a file.
+
+`python -m tests.test_layout` prints the module map of docs/architecture.md from the tree.
 """
 
 from __future__ import annotations
 
 import ast
+import re
+import subprocess
 from pathlib import Path
 
 from tests.conftest import REPO
@@ -113,3 +121,81 @@ def test_the_rules_see_a_cycle_and_a_long_function(tmp_path):
     source = "def f():\n" + "    x = 1\n" * 80
     node = ast.parse(source).body[0]
     assert node.end_lineno - node.lineno + 1 == 81 > MAX_FUNCTION_LINES
+
+
+# The pattern the project's before-stop hook greps for: numbered work sessions and runs of the
+# project's own development: the word session and a number, sessions and a range of numbers, or
+# stop, a number and 's (examples in test_the_history_check_can_fail, spelled so as not to match).
+HISTORY = re.compile(r"\bsession [0-9]+|\bsessions [0-9]+-[0-9]+|\bstop [0-9]+'s", re.IGNORECASE)
+NOT_NARRATION = ("tests/data/",)  # recorded runs and fixtures, kept byte for byte
+README_MAX_LINES = 250
+LINK = re.compile(r"\]\(([^)#\s]+)(?:#[^)\s]*)?\)")
+
+
+def tree_files() -> list[Path]:
+    """Every file of the tree as git sees it: tracked, and untracked ones it does not ignore."""
+    try:
+        out = subprocess.run(["git", "ls-files", "--cached", "--others", "--exclude-standard", "-z"],
+                             cwd=REPO, capture_output=True, check=True).stdout.decode()
+        names = sorted({name for name in out.split("\0") if name})
+    except (OSError, subprocess.CalledProcessError):  # no git (an unpacked archive): walk the tree
+        skip = {".git", ".venv", "runs", ".cache", ".pytest_cache", ".hypothesis", "__pycache__"}
+        names = sorted(str(p.relative_to(REPO)) for p in REPO.rglob("*")
+                       if p.is_file() and not skip & set(p.relative_to(REPO).parts))
+    return [REPO / name for name in names if not name.startswith(NOT_NARRATION) and (REPO / name).is_file()]
+
+
+def history_lines(path: Path) -> list[str]:
+    try:
+        text = path.read_text()
+    except (UnicodeDecodeError, OSError):  # images, archives
+        return []
+    return [f"{path.relative_to(REPO)}:{n}: {line.strip()[:120]}"
+            for n, line in enumerate(text.splitlines(), 1) if HISTORY.search(line)]
+
+
+def test_no_file_narrates_the_projects_development_history():
+    found = [hit for path in tree_files() for hit in history_lines(path)]
+    assert not found, "the tree speaks of its own development history (git keeps it):\n" + "\n".join(found)
+
+
+def test_the_history_check_can_fail(tmp_path):
+    """The pattern catches the three forms and leaves a workload's sessions and gsm8k's bus stops alone."""
+    told = tmp_path / "told.md"
+    told.write_text("Measured in " + "session" + " 27.\nThe figures of " + "sessions" + " 23-26.\n"
+                    "Stop" + " 37's CI run hung.\n")
+    assert len(HISTORY.findall(told.read_text())) == 3
+    assert not HISTORY.search("slot 1 of 2: sessions 1, 3, 5; at the first stop, 8 passengers get off")
+
+
+def test_the_readme_is_a_short_manual_with_the_two_commands():
+    readme = (REPO / "README.md").read_text()
+    lines = readme.count("\n")
+    assert lines <= README_MAX_LINES, f"README.md is {lines} lines (a manual: <= {README_MAX_LINES}; the rest in docs/)"
+    makefile = (REPO / "Makefile").read_text()
+    for target in ("demo", "test"):  # .ci/run runs the README's test command
+        assert re.search(rf"^make {target}\b", readme, re.MULTILINE), f"README.md lost `make {target}`"
+        assert re.search(rf"^{target}:", makefile, re.MULTILINE), f"Makefile has no {target} target"
+
+
+def test_every_relative_link_of_the_manual_points_at_a_file():
+    broken = []
+    for page in [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]:
+        for target in LINK.findall(page.read_text()):
+            if "://" not in target and not target.startswith("mailto:") and not (page.parent / target).exists():
+                broken.append(f"{page.relative_to(REPO)}: {target}")
+    assert not broken, broken
+
+
+def module_map() -> str:
+    """docs/architecture.md's module map: every module of the packages, with its docstring's first sentence."""
+    rows = []
+    for name, path in modules().items():
+        doc = ast.get_docstring(ast.parse(path.read_text())) or ""
+        first = " ".join(doc.split("\n\n")[0].split()).replace("|", "\\|")
+        rows.append(f"| `{path.relative_to(REPO)}` | {first} |")
+    return "| module | what it owns |\n|---|---|\n" + "\n".join(rows)
+
+
+if __name__ == "__main__":
+    print(module_map())
