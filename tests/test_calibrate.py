@@ -50,7 +50,7 @@ def small_calibration() -> dict:
 
 
 def test_the_result_has_the_published_keys_and_types(small_calibration):
-    """The JSON contract of `calibrate --json` (the README's tables and other tools read these keys)."""
+    """The JSON contract of `calibrate --json` (docs/calibration.md's generator and other tools read these keys)."""
     result = json.loads(json.dumps(small_calibration))
     assert {"alpha", "trials", "seed", "config", "simulation_se", "scenarios", "pass_at_limit", "power", "decision"} <= set(result)
     assert result["alpha"] == 0.05 and result["trials"] == TRIALS and result["seed"] == 11

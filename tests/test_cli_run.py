@@ -289,7 +289,7 @@ def test_speculation_that_loses_the_distribution_under_sampling_rolls_back_on_ac
     assert doc["decision"] == "rollback" and proc.returncode == 3, (
         f"{doc['reason']}: the canary's sampled accuracy {accuracy['canary']} vs {accuracy['baseline']}. If a newer "
         "vLLM keeps the distribution under sampling, this config promotes: re-measure with "
-        "benchmarks/sampled_speculation.py and update README's 'Sampled speculation on vLLM CPU'")
+        "benchmarks/sampled_speculation.py and update docs/performance.md's 'Sampled speculation'")
     assert failed_gates(doc) == {"accuracy_noninferiority"}
     # clearly below the baseline; how far depends on the model the machine's probe picked (15 x 1024:
     # ~0.2; 8 x 512, sized for a quarter of a core beside CPU hogs: 0.729 of 48 items once)

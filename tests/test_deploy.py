@@ -105,7 +105,7 @@ def test_kuberay_rayjob():
     spec = doc["spec"]
     check_commands(commands_in(spec["entrypoint"]), "run")
     runtime_env = yaml.safe_load(spec["runtimeEnvYAML"])
-    assert int(runtime_env["env_vars"]["RAY_JOB_STOP_WAIT_TIME_S"]) >= 90  # the teardown's grace (README)
+    assert int(runtime_env["env_vars"]["RAY_JOB_STOP_WAIT_TIME_S"]) >= 90  # the teardown's grace (docs/gpu-cluster.md)
     cluster = spec["rayClusterSpec"]
     assert cluster["headGroupSpec"]["template"]["spec"]["containers"]
     for group in cluster["workerGroupSpecs"]:

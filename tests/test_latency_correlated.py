@@ -80,7 +80,7 @@ def test_a_30_percent_tpot_improvement_is_shown_within_200_requests_per_arm(name
 
 def test_the_benchmark_prints_its_table_and_json(capsys):
     """Rule: benchmarks/latency_calibration.py reports every row it runs, as a table and as JSON (the full-size
-    measurement the README quotes comes from it)."""
+    measurement docs/performance.md quotes comes from it)."""
     import json
 
     from benchmarks.latency_calibration import main

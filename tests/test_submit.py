@@ -341,7 +341,7 @@ def test_a_real_job_brings_its_decision_back(ray_head, tmp_path):
     assert submit.DECISION_PREFIX not in out.getvalue() and "decision.json in the log" in out.getvalue()
     assert submit.fetch_decision(done, tmp_path / "fetched", None, None) == 3
     assert json.loads((tmp_path / "fetched" / "decision.json").read_text())["decision"] == "rollback"
-    # the job's environment: the stop grace the teardown needs (README: `ray job stop`)
+    # the job's environment: the stop grace the teardown needs (docs/gpu-cluster.md: `ray job stop`)
     env = submit_entrypoint(ray_head, ["python", "-c", "import os; print('grace', os.environ['RAY_JOB_STOP_WAIT_TIME_S'])"],
                             None, out=(seen := io.StringIO()))
     assert env.exit_code == 0 and f"grace {submit.JOB_STOP_WAIT_S}" in seen.getvalue()
