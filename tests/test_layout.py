@@ -8,7 +8,8 @@
 - no file in the tree narrates the project's own development history (numbered work sessions,
   "stop N's" runs): the README is a manual, and git keeps history;
 - README.md is a manual a newcomer reads in ten minutes (at most 250 lines), whose two commands
-  are Makefile targets, and every relative link in README.md and docs/ points at a file.
+  are Makefile targets, and every relative link in README.md and docs/ points at a file (and
+  a heading of it, when it names one).
 
 `python -m tests.test_layout` prints the module map of docs/architecture.md from the tree.
 """
@@ -129,7 +130,7 @@ def test_the_rules_see_a_cycle_and_a_long_function(tmp_path):
 HISTORY = re.compile(r"\bsession [0-9]+|\bsessions [0-9]+-[0-9]+|\bstop [0-9]+'s", re.IGNORECASE)
 NOT_NARRATION = ("tests/data/",)  # recorded runs and fixtures, kept byte for byte
 README_MAX_LINES = 250
-LINK = re.compile(r"\]\(([^)#\s]+)(?:#[^)\s]*)?\)")
+LINK = re.compile(r"\]\(([^)#\s]+)(?:#([^)\s]*))?\)")
 
 
 def tree_files() -> list[Path]:
@@ -178,12 +179,21 @@ def test_the_readme_is_a_short_manual_with_the_two_commands():
         assert re.search(rf"^{target}:", makefile, re.MULTILINE), f"Makefile has no {target} target"
 
 
-def test_every_relative_link_of_the_manual_points_at_a_file():
+def anchors(page: Path) -> set[str]:
+    """The anchors GitHub gives a markdown page's headings: lower case, punctuation dropped, spaces to -."""
+    headings = re.findall(r"^#+ (.+)$", page.read_text(), re.MULTILINE)
+    return {re.sub(r"[^\w\- ]", "", heading.strip().lower()).replace(" ", "-") for heading in headings}
+
+
+def test_every_relative_link_of_the_manual_points_at_a_file_and_heading():
     broken = []
     for page in [REPO / "README.md", *sorted((REPO / "docs").glob("*.md"))]:
-        for target in LINK.findall(page.read_text()):
-            if "://" not in target and not target.startswith("mailto:") and not (page.parent / target).exists():
-                broken.append(f"{page.relative_to(REPO)}: {target}")
+        for target, anchor in LINK.findall(page.read_text()):
+            if "://" in target or target.startswith("mailto:"):
+                continue
+            linked = page.parent / target
+            if not linked.exists() or (anchor and linked.suffix == ".md" and anchor not in anchors(linked)):
+                broken.append(f"{page.relative_to(REPO)}: {target}#{anchor}" if anchor else f"{page.relative_to(REPO)}: {target}")
     assert not broken, broken
 
 
