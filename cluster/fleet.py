@@ -40,6 +40,8 @@ from cluster.replica import ReplicaState, ReplicaStatus, VLLMReplica
 from cluster.staging import STAGING_TIMEOUT_S, Source, StagedWeights, StagingError, hub_source, is_local_model, stage_on_nodes
 
 Progress = Callable[[str], None]
+# a control call on a replica actor (status, launch, staged weights): an answer in seconds; longer is a hung actor
+CONTROL_TIMEOUT_S = 120.0
 # a replica's server log copied back into the run directory at teardown: its first quarter and
 # its last bytes beyond this (a vLLM start logs ~100 KB; a server that logs every request, more)
 LOG_COPY_BYTES = 4 * 1024 * 1024
@@ -145,7 +147,11 @@ class Fleet:
         bundles = [replica_bundle(arm.engine, arm.cpus_per_replica) for arm, _ in reserved]
         pg_options = {"name": f"{self.actor_name_prefix}gpus", "lifetime": "detached"} if self.detached else {}
         pg = placement_group(bundles, strategy="PACK", **pg_options)
+        # held before the (up to 900 s) wait: an interrupt there (Ctrl-C, SIGTERM) reaches teardown,
+        # which removes the group; a detached group nobody holds stays reserved until a resume
+        self._placement_group = pg
         if not _wait_placement(pg, self.placement_timeout_s, self.progress):
+            self._placement_group = None
             remove_placement_group(pg)
             need = ", ".join(
                 f"{arm.name}: {arm.replicas} x {replica_bundle(arm.engine, arm.cpus_per_replica)}"
@@ -155,7 +161,6 @@ class Fleet:
                 f"the cluster cannot place every replica ({need}) within {self.placement_timeout_s:g} s "
                 f"(placement_timeout_s); available: {ray.available_resources()}"
             )
-        self._placement_group = pg
         strategies: list[PlacementGroupSchedulingStrategy | None] = []
         bundle = 0
         for arm, _ in specs:
@@ -261,7 +266,10 @@ class Fleet:
             self.create_actors()
             # staging has its own clock (staging_timeout_s): the fleet's covers placement and the engines
             started += self.stage_weights()
-            statuses = ray.get([r.actor.launch.remote() for r in self.replicas])
+            # launch only starts the server process; actors that cannot even be created count against timeout_s
+            statuses = _get_or_fail(
+                [r.actor.launch.remote() for r in self.replicas],
+                max(CONTROL_TIMEOUT_S, timeout_s - (time.monotonic() - started)), "launch their servers")
             for handle, st in zip(self.replicas, statuses):
                 handle.status = st
             self._wait_all_ready(started, timeout_s)
@@ -292,14 +300,16 @@ class Fleet:
         except StagingError as exc:
             raise FleetStartError(f"weights: {exc}") from None
         self.staged = list(staged.values())
-        ray.get([r.actor.use_staged_weights.remote(staged[(node, models[r.arm])].path) for r, node in zip(handles, nodes)])
+        _get_or_fail([r.actor.use_staged_weights.remote(staged[(node, models[r.arm])].path)
+                      for r, node in zip(handles, nodes)], CONTROL_TIMEOUT_S, "take the staged weights")
         return time.monotonic() - t0
 
     def _wait_all_ready(self, started: float, timeout_s: float | None) -> None:
         last_report = 0.0
         reported_ready: set[str] = set()
         while True:
-            statuses: list[ReplicaStatus] = ray.get([r.actor.status.remote() for r in self.replicas])
+            statuses: list[ReplicaStatus] = _get_or_fail([r.actor.status.remote() for r in self.replicas],
+                                                         CONTROL_TIMEOUT_S, "answer their status")
             for handle, st in zip(self.replicas, statuses):
                 handle.status = st
                 if st.state == ReplicaState.READY and st.name not in reported_ready:
@@ -404,7 +414,7 @@ class Fleet:
         return self._ask_every_replica("metrics", (), "/metrics not scraped")
 
     def engine_warnings(self) -> dict[str, list[str]]:
-        warnings = ray.get([r.actor.engine_warnings.remote() for r in self.replicas])
+        warnings = ray.get([r.actor.engine_warnings.remote() for r in self.replicas], timeout=CONTROL_TIMEOUT_S)
         return {r.name: w for r, w in zip(self.replicas, warnings)}
 
     def log_lines_with(self, needles: tuple[str, ...]) -> dict[str, list[str]]:
@@ -525,6 +535,14 @@ class Fleet:
 
     def __exit__(self, *exc) -> None:
         self.teardown()
+
+
+def _get_or_fail(refs: list, timeout_s: float, what: str) -> list:
+    """ray.get on the replicas' actors, bounded: a silent actor is a FleetStartError naming what it did not do."""
+    try:
+        return ray.get(refs, timeout=timeout_s)
+    except ray.exceptions.GetTimeoutError:
+        raise FleetStartError(f"the replicas' actors did not {what} within {timeout_s:g} s") from None
 
 
 def _named_placement_group(name: str):

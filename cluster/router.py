@@ -608,6 +608,10 @@ __all__ = [
 ROUTER_WATCH_NAME = "router"  # the router among the replicas in a phase's liveness answers
 
 
+# a control call on the router actor (weights, arms): an answer in well under a second; longer is a hung actor
+CONTROL_TIMEOUT_S = 30.0
+
+
 class RouterClient:
     """The driver's side of one Router actor: its URL, weights, arms and counts (each call bounded)."""
 
@@ -628,12 +632,14 @@ class RouterClient:
         """The actor's id: a replaced router (whose counts restarted at 0) has another."""
         return self.actor._actor_id.hex()
 
-    def set_canary_weight(self, weight: float) -> None:
-        """Applied at once: the canary gets `weight` percent, the baseline the rest."""
-        ray.get(self.actor.set_weights.remote({BASELINE: 100.0 - weight, CANARY: weight}))
+    def set_canary_weight(self, weight: float, timeout_s: float = CONTROL_TIMEOUT_S) -> None:
+        """Applied at once: the canary gets `weight` percent, the baseline the rest (GetTimeoutError
+        when the actor does not answer: a hung router must not hang the run's way back to 0)."""
+        ray.get(self.actor.set_weights.remote({BASELINE: 100.0 - weight, CANARY: weight}), timeout=timeout_s)
 
-    def set_arms(self, urls: Mapping[str, Sequence[str]], upstream_keys: Mapping[str, str] | None = None) -> None:
-        ray.get(self.actor.set_arms.remote(dict(urls), dict(upstream_keys or {})))
+    def set_arms(self, urls: Mapping[str, Sequence[str]], upstream_keys: Mapping[str, str] | None = None,
+                 timeout_s: float = CONTROL_TIMEOUT_S) -> None:
+        ray.get(self.actor.set_arms.remote(dict(urls), dict(upstream_keys or {})), timeout=timeout_s)
 
     def state(self, timeout_s: float = 10) -> RouterState:
         return ray.get(self.actor.get_state.remote(), timeout=timeout_s)

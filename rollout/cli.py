@@ -11,8 +11,6 @@ import argparse
 import importlib
 import json
 import os
-import shutil
-import signal
 import sys
 import time
 from pathlib import Path
@@ -41,10 +39,6 @@ MTP k=3, 16 golden prompts x 48 tokens, server /metrics deltas
 More noise -> fewer accepted drafts, monotonically. Single-stream TPOT p50 with
 perfect drafts: k=1 26.0 ms, k=3 12.2 ms (2.1x lower); server start 26-29 s.
 """
-
-
-def _raise_keyboard_interrupt(signum, frame) -> None:
-    raise KeyboardInterrupt
 
 
 def _refuse_run_id(run_id: str | None, what: str, command: str) -> bool:
@@ -174,12 +168,15 @@ def _pipeline_copies(args: argparse.Namespace) -> dict[str, Path] | None:
 
 
 def _copy_out(run_dir: Path, copies: dict[str, Path]) -> bool:
-    """Copy the run's pipeline files where they were asked for; False (with a line each) if one is missing."""
+    """Copy the run's pipeline files where they were asked for, each whole or not at all (a pipeline
+    polling for it never reads half); False (with a line each) if one is missing."""
+    from rollout.atomic_file import copy_atomically
+
     ok = True
     for name, path in copies.items():
         try:
-            shutil.copyfile(run_dir / name, path)
-        except OSError as exc:
+            copy_atomically(run_dir / name, path)
+        except (OSError, UnicodeDecodeError) as exc:
             print(f"mtp-canary: could not copy {name} to {str(path)!r}: {exc.strerror or exc}", file=sys.stderr)
             ok = False
     return ok
@@ -187,20 +184,32 @@ def _copy_out(run_dir: Path, copies: dict[str, Path]) -> bool:
 
 def _drive(controller, copies: dict[str, Path] | None = None, display=None) -> int:
     """Run a controller to its end, copy its pipeline files where asked (`copies`); its exit
-    code (130 when interrupted; 1 when a decided run's file could not be copied)."""
-    # SIGTERM (e.g. `ray job stop`) takes the same path as Ctrl-C: tear down, then exit.
-    signal.signal(signal.SIGTERM, _raise_keyboard_interrupt)
+    code (130 when a signal ended it; 1 when a decided run's file could not be copied)."""
+    from rollout.interrupts import INTERRUPTS
+
+    # SIGTERM (`ray job stop`, a CI cancel, a pod deletion) and SIGHUP take Ctrl-C's path: the
+    # traffic back to the stable config, teardown, the error recorded; installed again after ray.init
+    INTERRUPTS.install()
     try:
         result = controller.run()
-    except KeyboardInterrupt:
-        print("mtp-canary: interrupted; replicas, router and Locust stopped", file=sys.stderr)
-        return 130
+    except KeyboardInterrupt as exc:  # before the run's own handling began (its row being opened)
+        result = controller.result
+        result.interrupted = getattr(exc, "signal_name", "SIGINT")
+        result.error = result.error or f"interrupted by {result.interrupted}"
     finally:
         if display is not None:
             display.close()  # the bars stop before the last lines: a pipeline reads the last one
+    with INTERRUPTS.shielded():
+        return _report_end(result, copies)
+
+
+def _report_end(result, copies: dict[str, Path] | None) -> int:
+    """The run's last lines (the last one machine-readable) and its exit code."""
     decision = result.decision.value if result.decision and not result.error else "error"
     from rollout.result import EXIT_INFRASTRUCTURE
 
+    if result.error:  # the cause in one line (decision.json, the store and the webhook hold the same text)
+        print(f"mtp-canary: error: {(result.error.strip().splitlines() or [''])[0][:500]}", file=sys.stderr, flush=True)
     code = result.exit_code
     if copies and not _copy_out(result.run_dir, copies) and code == 0:
         code = EXIT_INFRASTRUCTURE  # a pipeline that asked for the file must not pass without it
@@ -220,12 +229,17 @@ def _cmd_resume(args: argparse.Namespace) -> int:
     found = _find_run(args.runs_dir, args.run_id, "resume")
     if found is None:
         return EXIT_USAGE
-    run = found[1]
+    store, run = found
     if run["status"] == "done":
         print(f"mtp-canary resume: run {args.run_id} already decided ({run['decision']})", file=sys.stderr)
         return EXIT_USAGE
+    if run["status"] != "running":  # ended in error: torn down, its decision.json written; never reopened
+        why = " ".join((run["reason"] or "").split())[:200]
+        print(f"mtp-canary resume: run {args.run_id} already ended in {run['status']} ({why}): start it again",
+              file=sys.stderr)
+        return EXIT_USAGE
     from rollout.controller import Controller
-    from rollout.store import run_controller_alive
+    from rollout.store import controller_identity, run_controller_alive
 
     alive = run_controller_alive(run)
     if alive or (alive is None and run.get("controller") and not args.force):
@@ -236,9 +250,15 @@ def _cmd_resume(args: argparse.Namespace) -> int:
     config = _resume_config(args, run)
     if config is None or _refuse_bad_environment("resume"):
         return EXIT_USAGE
+    # the controller found gone above, compared and set: of two resumes started together one takes the run
+    if not store.claim(args.run_id, controller_identity(), run["controller"]):
+        now = store.run(args.run_id) or {}
+        print(f"mtp-canary resume: run {args.run_id} was taken by {now.get('controller')} "
+              f"(now {now.get('status')}) while this resume checked it", file=sys.stderr)
+        return EXIT_USAGE
     display = _progress_display()
     return _drive(
-        Controller(config, runs_dir=Path(args.runs_dir), run_id=args.run_id, progress=display, resume=True),
+        Controller(config, runs_dir=Path(args.runs_dir), run_id=args.run_id, progress=display, resume=True, claimed=True),
         display=display,
     )
 

@@ -8,6 +8,7 @@ The judgement checkpoint a resumed run restores (rollout.resume) holds the same 
 
 from __future__ import annotations
 
+import re
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -26,6 +27,7 @@ from rollout.redact import known_secrets, redact_document
 
 EXIT_CODES = {Decision.PROMOTE: 0, Decision.ROLLBACK: 3, Decision.INCONCLUSIVE: 4}
 EXIT_INFRASTRUCTURE = 1
+EXIT_INTERRUPTED = 130  # a signal ended the run (rollout.interrupts)
 
 
 class Summary(BaseModel):
@@ -257,9 +259,13 @@ class RunResult:
     # None otherwise, and decision.json then leaves both keys out
     candidates: list[CandidateSummary] | None = None
     winner: str | None = None
+    # the signal that ended the run (SIGTERM, SIGINT, SIGHUP; rollout.interrupts): exit 130, with error set
+    interrupted: str | None = None
 
     @property
     def exit_code(self) -> int:
+        if self.interrupted is not None:
+            return EXIT_INTERRUPTED
         if self.error is not None or self.decision is None:
             return EXIT_INFRASTRUCTURE
         return EXIT_CODES[self.decision]
@@ -290,7 +296,14 @@ class RunResult:
             usage=UsageSummary.model_validate(doc["usage"]) if doc.get("usage") else None,
             candidates=[CandidateSummary.model_validate(c) for c in doc["candidates"]] if doc.get("candidates") else None,
             winner=doc.get("winner"),
+            interrupted=_signal_named(error) if doc.get("exit_code") == EXIT_INTERRUPTED else None,
         )
+
+
+def _signal_named(error: str | None) -> str:
+    """The signal an interrupted run's error names ("interrupted by SIGTERM"), else "signal"."""
+    found = re.search(r"\bSIG[A-Z]+\b", error or "")
+    return found.group(0) if found else "signal"
 
 
 def decision_document(result: RunResult) -> dict[str, Any]:

@@ -205,14 +205,17 @@ class RunStore:
         )
 
     def claim(self, run_id: str, identity: str, previous: str | None) -> bool:
-        """Make `identity` the run's controller if `previous` still is (compare and set).
+        """Make `identity` the run's controller if `previous` still is and the run has not ended
+        (compare and set on both).
 
-        Two `resume`s started at once both see the dead controller; only one may take the run."""
+        Two `resume`s started at once both see the dead controller; only one may take the run, and
+        the caller must pass the controller it found gone, not one read again later (that one may be
+        the other resume). A run that ended (done or error) in the meantime is never reopened."""
         with self._db:
             self._db.execute("BEGIN IMMEDIATE")
             cursor = self._db.execute(
                 "UPDATE runs SET controller = ?, status = 'running', heartbeat_at = ?, updated_at = ?"
-                " WHERE run_id = ? AND controller IS ?",
+                " WHERE run_id = ? AND controller IS ? AND status = 'running'",
                 (identity, time.time(), time.time(), run_id, previous),
             )
             self._db.execute("COMMIT")
@@ -227,7 +230,8 @@ class RunStore:
         """The run's end in one transaction: its status and, for a promotion, the new stable config.
 
         Together or not at all: a crash between them would leave a stable canary on a run that
-        `resume` decides again, or a decided run whose promotion was never recorded."""
+        `resume` decides again, or a decided run whose promotion was never recorded. A run that ends
+        as an error is never the stable one (a promotion whose decision.json could not be written)."""
         now = time.time()
         with self._db:
             self._db.execute("BEGIN IMMEDIATE")
@@ -235,6 +239,8 @@ class RunStore:
                 "UPDATE runs SET status = ?, decision = ?, exit_code = ?, reason = ?, updated_at = ? WHERE run_id = ?",
                 (status, decision, exit_code, reason, now, run_id),
             )
+            if status == "error":
+                self._db.execute("DELETE FROM stable WHERE run_id = ?", (run_id,))
             if stable is not None:
                 model, engine = stable
                 self._db.execute(

@@ -344,5 +344,6 @@ def test_resume_takes_over_from_another_host_only_when_its_heartbeat_is_stale_or
     assert not started
     store.update_run("r-away", heartbeat_at=time.time() - 3600)  # silent for longer than a lease: gone
     assert main(["resume", "r-away", "--runs-dir", str(runs)]) == 0 and len(started) == 1
-    store.update_run("r-away", heartbeat_at=None)
+    assert store.run("r-away")["controller"] != "other-host.invalid:77"  # claimed before the controller started
+    store.update_run("r-away", controller="other-host.invalid:77", heartbeat_at=None)
     assert main(["resume", "r-away", "--runs-dir", str(runs), "--force"]) == 0 and len(started) == 2

@@ -81,16 +81,23 @@ def test_a_bug_in_a_phase_is_an_error_too(tmp_path, monkeypatch):
 
 def test_a_promotion_is_in_the_store_with_its_stable_mark_before_decision_json_exists(tmp_path, monkeypatch):
     seen = {}
-    real = controller_module.write_reports
+    real = controller_module.stage_file
 
-    def write_reports(result):
-        store = RunStore(tmp_path / "history.db")
-        run = store.run("r1")
-        seen.update(status=run["status"], decision=run["decision"], stable=store.stable(run["model"]))
-        assert not (tmp_path / "r1" / "decision.json").exists()
-        return real(result)
+    def stage_file(path, text):
+        staged = real(path, text)
+        commit = staged.commit
 
-    monkeypatch.setattr(controller_module, "write_reports", write_reports)
+        def committed():  # decision.json goes in place only now
+            store = RunStore(tmp_path / "history.db")
+            run = store.run("r1")
+            seen.update(status=run["status"], decision=run["decision"], stable=store.stable(run["model"]))
+            assert not (tmp_path / "r1" / "decision.json").exists()
+            commit()
+
+        staged.commit = committed
+        return staged
+
+    monkeypatch.setattr(controller_module, "stage_file", stage_file)
     result = controller(tmp_path, monkeypatch, Promotes()).run()
     assert result.exit_code == 0
     assert seen["status"] == "done" and seen["decision"] == "promote"
