@@ -190,15 +190,18 @@ def test_the_harness_reproduces_what_the_recorded_run_stored():
     """The same replay against the run's decision.json: the looks fall where the run's did (its per-look
     requests), with its information fractions and sample counts; the gates the recording's judge (commit 4c0ffa0)
     does not share with today's -- the latency statistics are being replaced -- are compared where they are
-    unchanged: acceptance at every look, and every stored verdict, interval and stop when today's latency
-    judge still gives the recorded look-1 interval (a sign the statistics are those that judged the run)."""
+    unchanged: every stored verdict, interval and stop when today's latency judge still gives the recorded
+    look-1 interval (a sign the statistics are those that judged the run); the acceptance floor, clustered by
+    request since, cannot pass on the recording's server counters at any look."""
     records, decision, cfg, plan, canary_spec, ends = _replay_setup()
     exp = decision["experiment"]
     run = run_experiment_looks(records, ends, plan, cfg, lambda end: canary_spec, speculative_canary=True)
     assert [experiment_looks.requests_by_arm(records[s:e]) for s, e in zip([0, *ends], ends)] == [look["requests"] for look in exp["looks"]]
     assert [round(t, 4) for t in run.information[: len(exp["looks"])]] == [look["information"] for look in exp["looks"]]
+    # the recording's records carry no per-request spec-decode counters: on the server's alone the floor (its
+    # interval clustered by request since) is inconclusive at every look, where the recording passed it
     assert all(
-        {g.name: g.verdict.value for g in gates}["acceptance_length_floor"] == look["verdicts"]["acceptance_length_floor"]
+        {g.name: g.verdict.value for g in gates}["acceptance_length_floor"] == "inconclusive"
         for gates, look in zip(run.looks, exp["looks"])
     )
     stored = {g["name"]: g for g in decision["gates"]}
@@ -209,11 +212,13 @@ def test_the_harness_reproduces_what_the_recorded_run_stored():
     if final["error_rate_guard"].interval == pytest.approx(stored["error_rate_guard"]["interval"], rel=1e-9) and (
         final["tpot_p50_improvement"].detail == stored["tpot_p50_improvement"]["detail"]
     ):
-        judged = [{g.name: g.verdict.value for g in gates if g.name in look["verdicts"]} for gates, look in zip(run.looks, exp["looks"])]
-        assert judged == [look["verdicts"] for look in exp["looks"]]
+        floor = "acceptance_length_floor"
+        judged = [{g.name: g.verdict.value for g in gates if g.name in look["verdicts"] and g.name != floor}
+                  for gates, look in zip(run.looks, exp["looks"])]
+        assert judged == [{k: v for k, v in look["verdicts"].items() if k != floor} for look in exp["looks"]]
         assert run.stopped_by == exp["stopped_by"]
         for name, gate in final.items():
-            if name in stored and stored[name]["interval"] is not None:
+            if name in stored and stored[name]["interval"] is not None and name != floor:
                 assert gate.interval == pytest.approx(stored[name]["interval"], rel=1e-9), name
 
 

@@ -18,6 +18,7 @@ from rollout.config import load_config
 from rollout.judge.acceptance import judge_acceptance
 from rollout.judge.accuracy import judge_accuracy, judge_divergence
 from rollout.judge.config import GatesConfig
+from rollout.judge.request_acceptance import spec_decode_of_counts
 from rollout.judge.experiment_looks import LookPlan, judge_look
 from rollout.judge.names import GATE_NAMES, SAMPLE_RATIO_NAME
 from rollout.judge.sample_ratio import judge_sample_ratio
@@ -135,14 +136,14 @@ def test_a_canary_error_stays_a_wrong_canary_answer_and_a_clear_regression_still
 
 # -- rule 3: the acceptance floor on a lower confidence bound -----------------------------------------
 def simulated_counters(rng, drafts: int, per_position: tuple[float, ...]) -> SpecDecodeStats:
-    """Counters of `drafts` independent drafts; position i accepted only after i-1 was (P(A>=i) = prod of rates)."""
+    """Counters of `drafts` independent drafts in requests of 10 (each request's own kept, as the servers'
+    per-request metrics give them); position i accepted only after i-1 was (P(A>=i) = prod of rates)."""
     k = len(per_position)
     conditional = [per_position[0]] + [per_position[i] / per_position[i - 1] for i in range(1, k)]
     u = rng.random((drafts, k)) < np.array(conditional)
     accepted = np.cumprod(u, axis=1)  # a position counts only if every earlier one did
-    per_pos = tuple(float(x) for x in accepted.sum(axis=0))
-    return SpecDecodeStats(drafts=float(drafts), draft_tokens=float(drafts * k), accepted_tokens=sum(per_pos),
-                           accepted_per_position=per_pos)
+    by_request = accepted.reshape(drafts // 10, 10, k).sum(axis=1)
+    return spec_decode_of_counts(np.full(drafts // 10, 10.0), by_request)
 
 
 def test_a_canary_exactly_at_the_floor_passes_at_most_alpha_of_the_time():

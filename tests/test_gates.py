@@ -9,9 +9,10 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from cluster.metrics import SpecDecodeStats
-from rollout.judge.acceptance import judge_acceptance
+from rollout.judge.acceptance import acceptance_sd, judge_acceptance
 from rollout.judge.accuracy import judge_accuracy, judge_divergence
 from rollout.judge.config import GatesConfig
+from rollout.judge.request_acceptance import spec_decode_of_counts
 from rollout.judge.names import GATE_NAMES
 from rollout.judge.verdicts import Decision, GateResult, Verdict, decide, is_final
 
@@ -141,15 +142,25 @@ def test_divergence_without_twin_is_an_absolute_cap():
 
 
 def spec(drafts: float, per_position: tuple[float, ...]) -> SpecDecodeStats:
-    """Counters of `drafts` drafts whose position-i acceptance rate is per_position[i]."""
-    accepted = tuple(drafts * p for p in per_position)
-    return SpecDecodeStats(drafts=drafts, draft_tokens=drafts * len(per_position), accepted_tokens=sum(accepted),
-                           accepted_per_position=accepted)
+    """Counters of `drafts` drafts in requests of 10 whose position-i acceptance rate is per_position[i]; the
+    requests' accepted tokens spread as 10 independent drafts' would (half of them 1 sd over, half under)."""
+    requests = max(int(drafts // 10), 1)
+    per_draft = np.array(per_position, dtype=float)
+    sd = acceptance_sd(SpecDecodeStats(drafts=1.0, draft_tokens=float(len(per_position)),
+                                       accepted_tokens=float(per_draft.sum()), accepted_per_position=tuple(per_draft)))
+    steps = np.full(requests, drafts / requests)
+    # an odd count of requests gets no spread (a pair left unbalanced would move the sums)
+    spread = np.where(np.arange(requests) % 2 == 0, 1.0, -1.0) * sd * np.sqrt(steps) * (requests % 2 == 0)
+    # each request's profile scaled so its accepted tokens move by the spread (the sums stay the profile's)
+    scale = 1.0 + spread / (steps * per_draft.sum())
+    return spec_decode_of_counts(steps, steps[:, None] * per_draft[None, :] * scale[:, None])
 
 
 def test_acceptance_floor():
-    """Rule: the floor is judged on the bounds of the mean from the draft counts (not the point value)."""
+    """Rule: the floor is judged on request-clustered bounds of the mean (not the point value)."""
     cfg = GatesConfig()
+    server = SpecDecodeStats(drafts=1000, draft_tokens=2000, accepted_tokens=1400, accepted_per_position=(800, 600))
+    assert judge_acceptance(server, cfg).verdict is Verdict.INCONCLUSIVE  # no per-request counters: never a pass
     assert judge_acceptance(spec(1000, (0.8, 0.6)), cfg).verdict is Verdict.PASS  # 2.4
     assert judge_acceptance(spec(1000, (0.1,)), cfg).verdict is Verdict.FAIL  # 1.1
     assert judge_acceptance(None, cfg).verdict is Verdict.INCONCLUSIVE

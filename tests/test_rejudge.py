@@ -58,7 +58,9 @@ def write_records(path: Path, tpot_by_arm: dict[str, np.ndarray], errors: dict[s
 # The run was judged before db87ecd (quantile ratios on order-statistic bands widened for blocks): these
 # gates' intervals, and so their verdicts, differ now by design; their point estimates must not.
 # Re-record the fixture from a run under the current judge to compare them too.
-JUDGED_DIFFERENTLY_SINCE_THE_RUN = {"tpot_p50_improvement", "ttft_p95_guard"}
+# acceptance_length_floor: the run's records carry no per-request spec-decode counters, and server counters
+# alone no longer pass the floor (its interval is clustered by request)
+JUDGED_DIFFERENTLY_SINCE_THE_RUN = {"tpot_p50_improvement", "ttft_p95_guard", "acceptance_length_floor"}
 
 
 def test_a_replay_of_a_real_run_gives_the_verdicts_it_stored(capsys):

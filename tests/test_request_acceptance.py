@@ -25,8 +25,9 @@ def test_requests_counters_sum_as_the_server_counts_them():
     records = [record(0, histogram=(1, 2, 0, 3), drafted=18), record(1, histogram=(0, 0, 1, 1), drafted=6),
                record(2, arm="baseline", histogram=(3, 5), drafted=8)]
     canary = spec_decode_of_requests(records, "canary")
-    assert canary == SpecDecodeStats(drafts=8, draft_tokens=24, accepted_tokens=2 + 2 + 9 + 3,
-                                     accepted_per_position=(7, 5, 4))
+    assert canary.sums() == SpecDecodeStats(drafts=8, draft_tokens=24, accepted_tokens=2 + 2 + 9 + 3,
+                                            accepted_per_position=(7, 5, 4))
+    assert canary.per_request == ((6, 2 + 9), (2, 2 + 3))  # each request's (verify steps, accepted tokens)
     assert canary.mean_acceptance_length == pytest.approx(1 + 16 / 8)
     assert canary.per_position_rate == pytest.approx([7 / 8, 5 / 8, 4 / 8])
     assert spec_decode_of_requests(records, "baseline").mean_acceptance_length == pytest.approx(1 + 5 / 8)

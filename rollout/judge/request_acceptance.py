@@ -11,9 +11,15 @@ keeps its ``acceptance_histogram``: verify steps by the number of drafts accepte
 * `spec_decode_of_requests(records, arm)`: the arm's counters as the sum of its
   requests' own, in the shape of the server's (``cluster.metrics.SpecDecodeStats``:
   a step that accepted j drafts accepted positions 1..j, exactly as vLLM counts
-  ``accepted_tokens_per_pos``); None when any completed request of the arm came
-  without them (a server without the flag, or one that does not speculate): then
-  the judge falls back to the server's counters, as before.
+  ``accepted_tokens_per_pos``), carrying each request's own (verify steps, accepted
+  tokens) beside the sums (`RequestSpecDecodeStats`: the acceptance floor's interval
+  is clustered by request, since a hard prompt accepts less in every step); None
+  when any completed request of the arm came without them (a server without the
+  flag, or one that does not speculate): then the judge falls back to the server's
+  counters, which can never pass the floor (no request-clustered interval).
+* `spec_decode_of_counts(drafts, accepted_per_position)`: the same from per-request
+  arrays, and `cumulative_spec_of_counts` those counters at every look (the
+  calibration's simulated requests).
 * `attribute(...)`: the server's counters over the phase against the requests'
   own. More verify steps on the server than the experiment's requests can account
   for (past the steps of requests it cannot see whole: cut off at the end, or begun
@@ -23,21 +29,83 @@ keeps its ``acceptance_histogram``: verify steps by the number of drafts accepte
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from dataclasses import dataclass
+
+import numpy as np
 
 from cluster.metrics import SpecDecodeStats
 from loadtests.records import RequestRecord
 
-__all__ = ["AcceptanceAttribution", "attribute", "spec_decode_of_requests", "unseen_steps_bound"]
+__all__ = ["AcceptanceAttribution", "RequestSpecDecodeStats", "attribute", "cumulative_spec_of_counts", "spec_decode_of_counts",
+           "spec_decode_of_requests", "unseen_steps_bound"]
 
 #: Verify steps of other traffic, as a share of the server's, below which the arm counts as the experiment's
 #: alone: what the bound on unseen steps leaves is rounding, not another client.
 OTHER_TRAFFIC_SHARE = 0.02
 
 
-def spec_decode_of_requests(records: Sequence[RequestRecord], arm: str) -> SpecDecodeStats | None:
-    """The arm's spec-decode counters summed over its completed requests' own (None where one lacks them)."""
+@dataclass(frozen=True)
+class RequestSpecDecodeStats(SpecDecodeStats):
+    """Spec-decode counters summed over requests, with each request's own (verify steps, accepted tokens).
+
+    The sums are the server's shape; ``per_request`` is what a request-clustered interval of
+    accepted / drafts needs (drafts of one prompt are not independent). Adding two of them, or one
+    to server counters, gives plain ``SpecDecodeStats``: whose requests those are is no longer known.
+    """
+
+    per_request: tuple[tuple[float, float], ...] = ()
+
+    def sums(self) -> SpecDecodeStats:
+        """The counters alone (what a /metrics delta would show)."""
+        return SpecDecodeStats(drafts=self.drafts, draft_tokens=self.draft_tokens,
+                               accepted_tokens=self.accepted_tokens, accepted_per_position=self.accepted_per_position)
+
+
+def spec_decode_of_counts(drafts: Sequence[float] | np.ndarray, accepted_per_position: np.ndarray,
+                          draft_tokens: Sequence[float] | np.ndarray | None = None) -> RequestSpecDecodeStats | None:
+    """Counters of requests given as arrays: ``drafts[i]`` verify steps of request i, ``accepted_per_position[i, p]``
+    its accepted tokens at draft position p + 1 (``draft_tokens``: proposed tokens per request; default drafts x k).
+    None for no requests."""
+    d = np.asarray(drafts, dtype=float).reshape(-1)
+    if d.size == 0:
+        return None
+    per_pos = np.asarray(accepted_per_position, dtype=float)
+    per_pos = per_pos.reshape(d.size, per_pos.shape[-1] if per_pos.ndim == 2 else -1)
+    k = per_pos.shape[1]
+    proposed = float(np.sum(draft_tokens)) if draft_tokens is not None else float(d.sum() * k)
+    accepted = per_pos.sum(axis=1)
+    return RequestSpecDecodeStats(
+        drafts=float(d.sum()), draft_tokens=proposed, accepted_tokens=float(accepted.sum()),
+        accepted_per_position=tuple(float(x) for x in per_pos.sum(axis=0)),
+        per_request=tuple(zip(d.tolist(), accepted.tolist())),
+    )
+
+
+def cumulative_spec_of_counts(records: Sequence[RequestRecord], request_ids: Sequence[str], drafts: np.ndarray,
+                              accepted_per_position: np.ndarray, arm: str) -> Callable[[int], SpecDecodeStats]:
+    """``at(end)``: ``arm``'s counters over its ok requests among ``records[:end]``, each request's own kept
+    (``drafts[i]``, ``accepted_per_position[i]``: request ``request_ids[i]``'s); no such request yet: zero
+    drafts (the counters a scrape would show)."""
+    row = {rid: i for i, rid in enumerate(request_ids)}
+    rows = np.array([row.get(r.request_id, -1) if r.served_arm == arm and r.ok else -1 for r in records], dtype=int)
+    seen = np.concatenate([[0], np.cumsum(rows >= 0)])  # the arm's counted requests among the first j records
+    order = rows[rows >= 0]  # their rows, in completion order
+    per_pos = np.asarray(accepted_per_position, dtype=float)
+    k = per_pos.shape[1] if per_pos.ndim == 2 else 0
+    none_yet = SpecDecodeStats(accepted_per_position=(0.0,) * k)
+
+    def at(end: int) -> SpecDecodeStats:
+        taken = order[: int(seen[end])]
+        counters = spec_decode_of_counts(np.asarray(drafts)[taken], per_pos[taken]) if taken.size else None
+        return counters if counters is not None else none_yet
+
+    return at
+
+
+def spec_decode_of_requests(records: Sequence[RequestRecord], arm: str) -> RequestSpecDecodeStats | None:
+    """The arm's spec-decode counters summed over its completed requests' own, each request's kept
+    (None where one lacks them)."""
     histograms: list[list[int]] = []
     drafted = 0
     for record in records:
@@ -51,16 +119,19 @@ def spec_decode_of_requests(records: Sequence[RequestRecord], arm: str) -> SpecD
         return None
     width = max(len(h) for h in histograms)
     steps = [0] * width  # steps[j]: verify steps that accepted exactly j drafts
+    per_request: list[tuple[float, float]] = []
     for histogram in histograms:
         for j, count in enumerate(histogram):
             steps[j] += count
+        per_request.append((float(sum(histogram)), float(sum(j * n for j, n in enumerate(histogram)))))
     # position p (1-based) was accepted in every step that accepted p or more drafts
     per_position = [float(sum(steps[p:])) for p in range(1, width)]
-    return SpecDecodeStats(
+    return RequestSpecDecodeStats(
         drafts=float(sum(steps)),
         draft_tokens=float(drafted),
         accepted_tokens=float(sum(j * n for j, n in enumerate(steps))),
         accepted_per_position=tuple(per_position),
+        per_request=tuple(per_request),
     )
 
 
