@@ -17,11 +17,20 @@ puts records of a worker whose clock is off by more than CLOCK_SKEW_TOLERANCE_S 
 own (the controller's node, whose clock the progressive windows use): a worker on another
 node with a skewed clock must not move requests out of the window they ended in.
 
+One source: the master's port for workers binds every interface when they run on other
+nodes, and Locust's channel has no authentication, so each message a worker sends carries
+an HMAC of its content under the run's records key (RECORDS_KEY_ENV, which the Swarm gives
+every process it starts). A message without the right MAC, or not shaped as ours, is refused:
+its records are never written, and the refusal is a problem of the collection (incomplete,
+never a pass).
+
 Nothing here imports Locust or gevent; the locustfile wires these to the runner.
 """
 
 from __future__ import annotations
 
+import hashlib
+import hmac
 import json
 import time
 from collections.abc import Callable, Mapping
@@ -40,6 +49,15 @@ CLOCK_SKEW_TOLERANCE_S = 0.25
 FLUSH_REQUEST_MESSAGE = "mtp_flush"  # master -> workers: {"epoch"}
 # worker -> master: {"worker", "epoch", "records_sent", "batches_sent", "cpu": {"cpu_s", "wall_s", "cpu_peak_pct"}}
 FLUSHED_MESSAGE = "mtp_flushed"
+RECORDS_KEY_ENV = "MTP_CANARY_RECORDS_KEY"  # the run's secret for the MACs of worker messages
+MAC_FIELD = "mac"
+
+
+def message_mac(key: str, data: Mapping[str, Any]) -> str:
+    """HMAC-SHA256 of a message (every field but the MAC) in one canonical JSON form: the
+    channel's msgpack gives the master back the same values the worker signed."""
+    body = json.dumps({k: v for k, v in data.items() if k != MAC_FIELD}, sort_keys=True, separators=(",", ":"))
+    return hmac.new(key.encode(), body.encode(), hashlib.sha256).hexdigest()
 
 
 def summary_path_for(records_path: str | Path) -> Path:
@@ -118,15 +136,21 @@ class RecordShipper:
 
     def __init__(
         self, worker: str, send: Callable[[str, dict[str, Any]], None], batch_size: int = 200,
-        clock: Callable[[], float] = time.time,
+        clock: Callable[[], float] = time.time, key: str | None = None,
     ) -> None:
         self.worker = worker
-        self._send = send
+        self._key = key
+        self._send_raw = send
         self._clock = clock
         self._batch_size = batch_size
         self._buffer: list[dict[str, Any]] = []
         self.records_sent = 0
         self.batches_sent = 0
+
+    def _send(self, message_type: str, data: dict[str, Any]) -> None:
+        if self._key:
+            data[MAC_FIELD] = message_mac(self._key, data)
+        self._send_raw(message_type, data)
 
     def add(self, record: RequestRecord) -> None:
         self._buffer.append(record.model_dump(mode="json"))
@@ -181,9 +205,11 @@ class RecordCollector:
 
     def __init__(
         self, path: str | Path | None, cpu_warn_pct: float = 85.0, lag_warn_ms: float = 50.0,
-        clock: Callable[[], float] = time.time,
+        clock: Callable[[], float] = time.time, key: str | None = None,
     ) -> None:
         self.path = Path(path) if path is not None else None
+        self._key = key
+        self.refused: dict[str, int] = {}  # claimed worker -> messages refused (not ours, or not our shape)
         self._clock = clock
         self.cpu_warn_pct = cpu_warn_pct
         self.lag_warn_ms = lag_warn_ms
@@ -204,7 +230,30 @@ class RecordCollector:
     def known_workers(self) -> list[str]:
         return list(self._tallies)
 
+    def _refuse(self, kind: str, data: Any) -> bool:
+        """Whether a message must be refused; a refusal is counted and named as a problem."""
+        worker = str(data.get("worker"))[:80] if isinstance(data, Mapping) else "?"
+        if not isinstance(data, Mapping) or not isinstance(data.get("worker"), str):
+            why = "not shaped as a worker's message"
+        elif self._key and not (isinstance(data.get(MAC_FIELD), str)
+                                and hmac.compare_digest(data[MAC_FIELD], message_mac(self._key, data))):
+            why = "not signed with this run's records key (a record source that is not ours)"
+        elif kind == RECORDS_MESSAGE and not (isinstance(data.get("seq"), int) and isinstance(data.get("records"), list)
+                                              and all(isinstance(r, dict) for r in data["records"])):
+            why = "not shaped as a batch of records"
+        elif kind == FLUSHED_MESSAGE and not (isinstance(data.get("epoch"), int)
+                                              and isinstance(data.get("records_sent"), int)):
+            why = "not shaped as a flush marker"
+        else:
+            return False
+        count = self.refused[worker] = self.refused.get(worker, 0) + 1
+        if count == 1:
+            self._problems.append(f"refused a {kind} message claiming worker {worker!r}: {why}")
+        return True
+
     def receive_batch(self, data: Mapping[str, Any]) -> None:
+        if self._refuse(RECORDS_MESSAGE, data):
+            return
         tally = self._tallies.setdefault(str(data["worker"]), _WorkerTally())
         if data["seq"] != tally.next_seq:
             tally.out_of_order += 1
@@ -238,6 +287,8 @@ class RecordCollector:
                     record[key] = record[key] + offset
 
     def receive_flushed(self, data: Mapping[str, Any]) -> None:
+        if self._refuse(FLUSHED_MESSAGE, data):
+            return
         self._tallies.setdefault(str(data["worker"]), _WorkerTally()).flushed = dict(data)
 
     def has_flushed(self, worker: str, epoch: int) -> bool:

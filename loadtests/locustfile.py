@@ -59,6 +59,7 @@ from loadtests import console, shapes  # noqa: E402  (the module: a shape class 
 from loadtests.collection import (  # noqa: E402
     FLUSH_REQUEST_MESSAGE,
     FLUSHED_MESSAGE,
+    RECORDS_KEY_ENV,
     RECORDS_MESSAGE,
     RecordCollector,
     RecordShipper,
@@ -170,7 +171,7 @@ def _on_init(environment: Environment, **_kwargs) -> None:
     if isinstance(runner, WorkerRunner):
         # a worker's own flags are defaults; the master's arrive with each spawn message
         _process.worker_id = runner.client_id
-        _process.shipper = RecordShipper(runner.client_id, runner.send_message)
+        _process.shipper = RecordShipper(runner.client_id, runner.send_message, key=os.environ.get(RECORDS_KEY_ENV))
         runner.register_message(PLAN_MESSAGE, _on_plan)
         # concurrent: stopping may wait for users (--stop-timeout); the message loop must go on
         runner.register_message(FLUSH_REQUEST_MESSAGE, _on_flush_request, concurrent=True)
@@ -188,7 +189,8 @@ def _on_init(environment: Environment, **_kwargs) -> None:
         logger.info("web UI: cross-origin and (under mtp-canary) all load-changing requests are refused")
     if console.install(environment):  # only with a web UI and a run to show (console_spec)
         logger.info("rollout console: the %r tab of the web UI", console.TAB_TITLE)
-    collector = RecordCollector(options.records, cpu_warn_pct=options.cpu_warn_pct, lag_warn_ms=options.lag_warn_ms)
+    collector = RecordCollector(options.records, cpu_warn_pct=options.cpu_warn_pct, lag_warn_ms=options.lag_warn_ms,
+                                key=os.environ.get(RECORDS_KEY_ENV))
     _process.collector = collector
     _process.flush_timeout_s = options.flush_timeout_s
     profile = options.profile
@@ -217,7 +219,7 @@ def _on_init(environment: Environment, **_kwargs) -> None:
             elif message_type == FLUSHED_MESSAGE:
                 collector.receive_flushed(data)
 
-        _process.shipper = RecordShipper("local", deliver_locally)
+        _process.shipper = RecordShipper("local", deliver_locally, key=os.environ.get(RECORDS_KEY_ENV))
         collector.expect_worker("local")
         gevent.spawn(_ship_periodically)
 

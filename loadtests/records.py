@@ -14,6 +14,8 @@ from typing import Literal
 
 from pydantic import BaseModel, ConfigDict, Field
 
+from loadtests.errors import SwarmError
+
 Endpoint = Literal["completions", "chat"]
 
 
@@ -137,9 +139,15 @@ def read_records(path: str | Path) -> list[RequestRecord]:
     return records
 
 
+class RecordsError(SwarmError):
+    """A line of the records file is not a record: the file cannot be judged (never a short pass)."""
+
+
 class RecordsTail:
     """New complete lines of a growing JSONL records file (the Locust master appends them), as
-    RequestRecords; a line still being written waits for the next read."""
+    RequestRecords; a line still being written waits for the next read. A complete line that is
+    not a record raises RecordsError: a request the gates cannot see fails the phase, never
+    leaves it judged on the rest."""
 
     def __init__(self, path: str | Path) -> None:
         self.path = Path(path)
@@ -162,6 +170,8 @@ class RecordsTail:
                 continue
             try:
                 out.append(RequestRecord.model_validate(json.loads(line)))
-            except ValueError:
+            except ValueError as exc:
                 self.bad_lines += 1
+                raise RecordsError(f"{self.path}: a line is not a request record ({self.bad_lines} so far; "
+                                   f"{str(exc).splitlines()[0][:200]}): the records cannot be judged") from exc
         return out

@@ -17,6 +17,7 @@ from __future__ import annotations
 import json
 import os
 import random
+import secrets
 import signal
 import socket
 import subprocess
@@ -28,7 +29,8 @@ from typing import Literal, Protocol
 
 from pydantic import BaseModel, ConfigDict, Field, model_validator
 
-from loadtests.collection import CollectionSummary, summary_path_for
+from loadtests.collection import RECORDS_KEY_ENV, CollectionSummary, summary_path_for
+from loadtests.errors import SwarmError
 from loadtests.health import GeneratorHealth
 from loadtests.options import TrafficOptions
 
@@ -166,8 +168,6 @@ class SwarmResult(BaseModel):
         return list(self.generator.warnings)
 
 
-class SwarmError(RuntimeError):
-    """The run failed or its records are incomplete; the message names the cause and the logs."""
 
 
 # Ports a server is told to bind seconds after free_port() saw them free (Locust's master, a vLLM
@@ -435,7 +435,9 @@ class Swarm:
         progress_interval_s: float = 1.0,
         workers: WorkerGroup | None = None,
     ) -> None:
-        self.spec = spec
+        # the workers sign their record messages with the run's key; the master refuses any other source
+        self.spec = spec if spec.env.get(RECORDS_KEY_ENV) else spec.model_copy(
+            update={"env": {**spec.env, RECORDS_KEY_ENV: secrets.token_hex(32)}})
         self._on_progress = on_progress
         self._progress_interval_s = progress_interval_s
         self._master: subprocess.Popen[bytes] | None = None
