@@ -21,7 +21,7 @@ import ray
 import requests
 
 from cluster.lease import Lease
-from cluster.metrics import MetricsSnapshot, parse_metrics
+from cluster.metrics import MetricsSnapshot, fetch_metrics_text, parse_metrics
 from cluster.replica import ReplicaState, ReplicaStatus
 from cluster.replica_environment import PACKAGES, ReplicaEnvironment
 
@@ -123,9 +123,7 @@ class ExternalReplicaServer:
         return self._url
 
     def metrics_text(self) -> str:
-        response = requests.get(self.metrics_url, timeout=METRICS_TIMEOUT_S)
-        response.raise_for_status()
-        return response.text
+        return fetch_metrics_text(self.metrics_url, timeout_s=METRICS_TIMEOUT_S)
 
     def metrics(self) -> MetricsSnapshot:
         return parse_metrics(self.metrics_text())

@@ -20,6 +20,12 @@ Prefix cache: `vllm:prefix_cache_queries_total` / `vllm:prefix_cache_hits_total`
 prompt tokens looked up / found). An arm's hit rate over a phase is the rise of hits over the
 rise of queries, summed over its replicas (`kv_stats`); it means most under a shared-prefix load
 (loadtests.datasets.SharedPrefixPrompts), where both arms see the same groups.
+
+Requests: `vllm:request_success_total` (every finished request, anyone's): set beside the
+router's own count, it tells whether other traffic reached a replica.
+
+Pages are read bounded (`fetch_metrics_text`: a byte cap, a total deadline) and parsed bounded
+(MAX_POSITIONS): a hostile page fails its scrape (the replica's data is missing, never zero).
 """
 
 from __future__ import annotations
@@ -43,6 +49,41 @@ PREEMPTIONS = "vllm:num_preemptions_total"
 CACHE_CONFIG = "vllm:cache_config_info"
 PREFIX_QUERIES = "vllm:prefix_cache_queries_total"
 PREFIX_HITS = "vllm:prefix_cache_hits_total"
+REQUESTS_FINISHED = "vllm:request_success_total"  # every request the server finished, any finish reason
+
+# A replica (or an `endpoints:` server) may be broken or hostile: its page is read within a byte
+# cap and a total deadline, and a speculative position past MAX_POSITIONS (a `position` label of
+# 999999999 would allocate a tuple that long) makes the page unusable, never a huge profile.
+MAX_POSITIONS = 64
+METRICS_MAX_BYTES = 16 << 20
+METRICS_DEADLINE_S = 30.0
+
+
+class MetricsPageError(ValueError):
+    """A /metrics page that cannot be judged (too large, too slow, or a label no vLLM writes)."""
+
+
+def fetch_metrics_text(url: str, timeout_s: float = 10.0, deadline_s: float = METRICS_DEADLINE_S,
+                       max_bytes: int = METRICS_MAX_BYTES) -> str:
+    """GET a /metrics page: each read within timeout_s, the whole within deadline_s and max_bytes."""
+    import time
+
+    import requests
+
+    started = time.monotonic()
+    with requests.get(url, timeout=timeout_s, stream=True) as response:
+        response.raise_for_status()
+        body = bytearray()
+        while True:
+            piece = response.raw.read1(1 << 16)  # what one read brings, not a full 64 KiB
+            if not piece:
+                break
+            body += piece
+            if len(body) > max_bytes:
+                raise MetricsPageError(f"{url}: the page ran past {max_bytes} bytes")
+            if time.monotonic() - started > deadline_s:
+                raise MetricsPageError(f"{url}: the page took longer than {deadline_s:g} s")
+    return body.decode(response.encoding or "utf-8", errors="replace")
 
 
 @dataclass(frozen=True)
@@ -119,6 +160,7 @@ class MetricsSnapshot:
     kv_capacity_tokens: float | None = None
     prefix_cache_queries: float = 0.0  # prompt tokens looked up in the prefix cache
     prefix_cache_hits: float = 0.0  # of those, found
+    requests_finished: float = 0.0  # requests the server finished (vllm:request_success_total), anyone's
 
     def delta(self, earlier: "MetricsSnapshot") -> "MetricsSnapshot":
         """Counters accumulated since `earlier`; gauges as of now.
@@ -151,6 +193,7 @@ class MetricsSnapshot:
             kv_capacity_tokens=self.kv_capacity_tokens,
             prefix_cache_queries=self.prefix_cache_queries - earlier.prefix_cache_queries,
             prefix_cache_hits=self.prefix_cache_hits - earlier.prefix_cache_hits,
+            requests_finished=self.requests_finished - earlier.requests_finished,
         )
 
 
@@ -189,7 +232,11 @@ def parse_metrics(text: str) -> MetricsSnapshot:
                     if number is not None:
                         values.append(number)
             elif sample.name == ACCEPTED_PER_POS:
-                pos = int(sample.labels["position"])
+                label = sample.labels.get("position", "")
+                pos = int(label) if label.isdigit() and len(label) <= 3 else -1
+                if not 0 <= pos < MAX_POSITIONS:
+                    raise MetricsPageError(f"{ACCEPTED_PER_POS} has position {label[:20]!r}: "
+                                           f"not a speculative position below {MAX_POSITIONS}")
                 per_pos[pos] = per_pos.get(pos, 0.0) + sample.value
             elif sample.name in (
                 DRAFTS,
@@ -202,6 +249,7 @@ def parse_metrics(text: str) -> MetricsSnapshot:
                 PREEMPTIONS,
                 PREFIX_QUERIES,
                 PREFIX_HITS,
+                REQUESTS_FINISHED,
             ):
                 totals[sample.name] = totals.get(sample.name, 0.0) + sample.value
     positions = tuple(per_pos.get(i, 0.0) for i in range(max(per_pos) + 1)) if per_pos else ()
@@ -224,6 +272,7 @@ def parse_metrics(text: str) -> MetricsSnapshot:
         kv_capacity_tokens=sum(cache["kv_cache_size_tokens"]) if cache["kv_cache_size_tokens"] else None,
         prefix_cache_queries=totals.get(PREFIX_QUERIES, 0.0),
         prefix_cache_hits=totals.get(PREFIX_HITS, 0.0),
+        requests_finished=totals.get(REQUESTS_FINISHED, 0.0),
     )
 
 

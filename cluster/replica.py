@@ -31,7 +31,7 @@ import requests
 from cluster.engine_spec import EngineSpec, printable_args
 from cluster.lease import Lease
 from cluster.log_cause import failure_cause
-from cluster.metrics import MetricsSnapshot, parse_metrics
+from cluster.metrics import MetricsSnapshot, fetch_metrics_text, parse_metrics
 from cluster.reaper import start_watchdog, stop_group
 from cluster.replica_environment import collect as collect_environment
 
@@ -308,9 +308,7 @@ class VLLMReplicaServer:
 
     # -- observe ---------------------------------------------------------------
     def metrics_text(self) -> str:
-        response = requests.get(f"{self.url}/metrics", timeout=10)
-        response.raise_for_status()
-        return response.text
+        return fetch_metrics_text(f"{self.url}/metrics", timeout_s=10)
 
     def metrics(self) -> MetricsSnapshot:
         return parse_metrics(self.metrics_text())

@@ -353,7 +353,8 @@ class LLMStreamUser(User):
             raise StopUser()
         if self.host is None:
             raise ValueError("no host: pass --host http://ROUTER:PORT")
-        self.client = OpenAIStreamClient(self.host, timeout_s=traffic.options.timeout_s)
+        self.client = OpenAIStreamClient(self.host, timeout_s=traffic.options.timeout_s,
+                                         deadline_s=traffic.options.deadline_s)
         if traffic.model is None:
             try:
                 traffic.model = self.client.first_model()

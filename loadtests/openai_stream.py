@@ -44,6 +44,7 @@ from loadtests.sse import SseDecoder, TimedEvent
 
 ARM_HEADER = "x-mtp-canary-arm"
 REPLICA_HEADER = "x-mtp-canary-replica"
+ARM_NAME_LIMIT = 64  # an arm's name is a config key; a longer header is not the router's
 
 ENDPOINT_PATHS: dict[str, str] = {
     "completions": "/v1/completions",
@@ -70,6 +71,16 @@ _wall_clock = time.time
 
 class StreamTimeout(Exception):
     """A request waited longer than its timeout for its next bytes."""
+
+
+class ResponseTooLarge(ValueError):
+    """A response carried more bytes than its request could need."""
+
+
+# a response's bytes may reach this many per requested token (a chunk is a few hundred bytes),
+# and at least RESPONSE_FLOOR_BYTES: an endless body fails its request instead of running on
+RESPONSE_BYTES_PER_TOKEN = 8192
+RESPONSE_FLOOR_BYTES = 1 << 20
 
 
 class _Watch:
@@ -383,9 +394,11 @@ class StreamReader:
     output, times the first, and keeps usage, finish reason and errors."""
 
     __slots__ = ("_started_s", "_endpoint", "_decoder", "_template", "ttft_s", "chunks", "usage", "finish_reason",
-                 "saw_done", "error", "events", "bytes", "last_read_s", "server_request_id", "spec_decode")
+                 "saw_done", "error", "events", "bytes", "last_read_s", "server_request_id", "spec_decode",
+                 "_max_bytes")
 
-    def __init__(self, started_s: float, endpoint: Endpoint) -> None:
+    def __init__(self, started_s: float, endpoint: Endpoint, max_bytes: int | None = None) -> None:
+        self._max_bytes = max_bytes
         self._started_s = started_s
         self._endpoint = endpoint
         self._decoder = SseDecoder()
@@ -410,6 +423,8 @@ class StreamReader:
         """One read's bytes: `read_s` when they (the first of them) arrived, `end_s` when
         the last did (the same when not given)."""
         self.bytes += len(data)
+        if self._max_bytes is not None and self.bytes > self._max_bytes:
+            raise ResponseTooLarge(f"the response ran past {self._max_bytes} bytes (more than its max_tokens could need)")
         self.last_read_s = read_s if end_s is None else end_s
         # The usual read mid-stream is one whole event: an output chunk like the stream's
         # first ordinary one (one choice, output, no finish reason, no usage, no error),
@@ -527,13 +542,16 @@ class OpenAIStreamClient:
     run one at a time, like the user they belong to.
     """
 
-    def __init__(self, base_url: str, timeout_s: float = 600.0, connect_timeout_s: float = 10.0) -> None:
+    def __init__(self, base_url: str, timeout_s: float = 600.0, connect_timeout_s: float = 10.0,
+                 deadline_s: float | None = None) -> None:
         parts = urlsplit(base_url)
         if parts.scheme not in ("http", "https") or not parts.hostname:
             raise ValueError(f"not an http(s) base URL: {base_url!r}")
         self.base_url = base_url
         self._path_prefix = parts.path.rstrip("/")
         self._timeout_s = timeout_s
+        # the whole request's limit: the per-read timeout alone lets a trickle run forever
+        self._deadline_s = deadline_s
         token = os.environ.get(BEARER_TOKEN_ENV)
         self._bearer = f"Bearer {token}" if token else None
         self._http = HTTPClient.from_url(
@@ -542,7 +560,11 @@ class OpenAIStreamClient:
             # no per-read timer: the headers wait under one gevent.Timeout, the body under the watchdog
             network_timeout=None,
             connection_timeout=min(connect_timeout_s, timeout_s),
-            insecure=True,
+            # TLS is verified (certificate and host name): the router token travels in these requests;
+            # a private CA is given as SSL_CERT_FILE, as for Python's own clients
+            insecure=False,
+            **({"ssl_options": {"ca_certs": os.environ["SSL_CERT_FILE"]}}
+               if parts.scheme == "https" and os.environ.get("SSL_CERT_FILE") else {}),
         )
 
     def close(self) -> None:
@@ -552,7 +574,7 @@ class OpenAIStreamClient:
         """The first model the server lists (what a request without a model name should use)."""
         with gevent.Timeout(self._timeout_s, StreamTimeout(f"GET /v1/models: no answer in {self._timeout_s:g}s")):
             response = self._http.get(self._path_prefix + "/v1/models")
-            body = response.read()
+            body = response.read(RESPONSE_FLOOR_BYTES)
         if response.status_code != 200:
             raise RuntimeError(f"GET /v1/models answered HTTP {response.status_code}: {body[:ERROR_TEXT_LIMIT]!r}")
         models = json.loads(body).get("data") or []
@@ -592,9 +614,14 @@ class OpenAIStreamClient:
         sent_at = time.time()
         started_s = time.perf_counter()
         ended_s = started_s
-        reader = StreamReader(started_s, request.endpoint)
+        reader = StreamReader(started_s, request.endpoint,
+                              max_bytes=max(RESPONSE_FLOOR_BYTES, request.max_tokens * RESPONSE_BYTES_PER_TOKEN))
         timeout_s = self._timeout_s
+        deadline = gevent.Timeout(self._deadline_s, StreamTimeout(f"the request ran past its {self._deadline_s:g}s "
+                                                                  "deadline")) if self._deadline_s else None
         try:
+            if deadline is not None:
+                deadline.start()
             with gevent.Timeout(timeout_s, StreamTimeout(f"no response headers in {timeout_s:g}s")):
                 response = self._http.request("POST", self._path_prefix + request.path, body=payload, headers=headers)
             status = response.status_code
@@ -602,7 +629,7 @@ class OpenAIStreamClient:
             replica = _header(response, REPLICA_HEADER)
             if status != 200:
                 with gevent.Timeout(timeout_s, StreamTimeout(f"no error body in {timeout_s:g}s")):
-                    detail = response.read()
+                    detail = response.read(ERROR_TEXT_LIMIT)  # the rest is never read: the connection closes
                 ended_s = time.perf_counter()
                 transport_error = f"HTTP {status}: {detail[:ERROR_TEXT_LIMIT].decode('utf-8', 'replace')}"
             else:
@@ -622,6 +649,8 @@ class OpenAIStreamClient:
             ended_s = time.perf_counter()
             transport_error = f"{type(exc).__name__}: {exc}"[:ERROR_TEXT_LIMIT]
         finally:
+            if deadline is not None:
+                deadline.close()
             if response is not None:
                 # returns a finished connection to the pool, closes a half-read one
                 response.release()
@@ -644,6 +673,13 @@ class OpenAIStreamClient:
     ) -> RequestRecord:
         outcome = reader.outcome()
         error = transport_error or outcome.error
+        if arm is not None and len(arm) > ARM_NAME_LIMIT:
+            error, arm = error or f"the response's {ARM_HEADER} header is {len(arm)} characters long", None
+        if request.pinned_arm and arm is not None and arm != request.pinned_arm:
+            # the router serves a pinned request from that arm only: a response that names another
+            # came from something else (a forged server), and its timings belong to no arm
+            error = error or f"the response names arm {arm!r}, the request was pinned to {request.pinned_arm!r}"
+            arm = request.pinned_arm
         return RequestRecord(
             request_id=labels.request_id,
             server_request_id=outcome.server_request_id,

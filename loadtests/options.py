@@ -93,6 +93,7 @@ class TrafficOptions(BaseModel):
         1.0, gt=0, description="closed loop with --mtp-steps/--mtp-ramp: users per unit of level (e.g. replicas)"
     )
     timeout_s: float = Field(600.0, gt=0, description="seconds a request may wait for its next bytes")
+    deadline_s: float = Field(1800.0, gt=0, description="seconds a whole request may take, however its bytes trickle")
     ui_latency_rows: bool = Field(False, description="add TTFT and TPOT rows per arm to Locust's statistics")
     flush_timeout_s: float = Field(
         30.0, gt=0, description="how long the master waits for the workers' last records after a stop"

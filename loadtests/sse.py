@@ -4,13 +4,24 @@ The transport reads and stamps (when the read's bytes arrived: loadtests/openai_
 the bytes are parsed after their stamp, never between a read and its stamp. The decoder is incremental: a
 streaming client feeds each read as it arrives, so the parsing cost is spread over the
 stream instead of landing at its end (where the ends of many streams at once would
-stall the reads of the others and bend their timestamps).
+stall the reads of the others and bend their timestamps). Its buffers are bounded
+(MAX_LINE_BYTES, MAX_EVENT_BYTES): a hostile stream fails the request, never the process.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterable
 from typing import NamedTuple
+
+
+# A line or an event beyond these is not an OpenAI stream's (a chunk is a few hundred bytes):
+# a server that never sends a line end must not grow the buffer without bound
+MAX_LINE_BYTES = 1 << 20
+MAX_EVENT_BYTES = 4 << 20
+
+
+class SseTooLarge(ValueError):
+    """A line or an event of the stream is longer than an OpenAI stream's ever is."""
 
 
 class TimedEvent(NamedTuple):
@@ -67,6 +78,8 @@ class SseDecoder:
         else:  # LF only, as vLLM and OpenAI send: one split
             lines = pending.split(b"\n")
             self._pending = lines.pop()  # b"" when the piece ended with its LF
+        if len(self._pending) > MAX_LINE_BYTES:
+            raise SseTooLarge(f"an SSE line ran past {MAX_LINE_BYTES} bytes without a line end")
         events: list[TimedEvent] = []
         data_lines = self._data_lines
         for line in lines:
@@ -77,6 +90,8 @@ class SseDecoder:
             elif line.startswith(b"data:"):
                 data_lines.append(line[6:] if line.startswith(b"data: ") else line[5:])
                 self._data_time = read_time
+                if len(data_lines) > 1 and sum(map(len, data_lines)) > MAX_EVENT_BYTES:
+                    raise SseTooLarge(f"an SSE event ran past {MAX_EVENT_BYTES} bytes without its blank line")
             # comments (":") and the event/id/retry fields carry nothing an OpenAI stream needs
         return events
 
