@@ -197,6 +197,23 @@ class MetricsSnapshot:
         )
 
 
+def requests_not_routed(
+    finished: Mapping[str, float], routed: Mapping[str, float], in_flight_at_start: Mapping[str, float]
+) -> dict[str, int]:
+    """Per replica, requests its server finished in a window beyond what the router sent it then
+    (`finished`: vllm:request_success_total's rise; `routed`: the router's count's rise; a request in
+    flight when the window opened finishes inside it). Only replicas with such requests appear:
+    traffic that did not come through the router, someone else's."""
+    out = {}
+    for replica, done in finished.items():
+        if replica not in routed:
+            continue
+        excess = int(done - routed[replica] - in_flight_at_start.get(replica, 0))
+        if excess > 0:
+            out[replica] = excess
+    return out
+
+
 def spec_decode_delta(
     before: Mapping[str, MetricsSnapshot] | None, after: Mapping[str, MetricsSnapshot] | None, replicas: Iterable[str]
 ) -> SpecDecodeStats | None:

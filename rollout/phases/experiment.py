@@ -7,7 +7,7 @@ from __future__ import annotations
 import numpy as np
 
 from cluster.arms import BASELINE, CANARY
-from cluster.metrics import MetricsSampler, SpecDecodeStats, kv_stats
+from cluster.metrics import MetricsSampler, SpecDecodeStats, kv_stats, requests_not_routed
 from cluster.router_limits import is_loopback
 from loadtests.console import TAB_TITLE, console_spec
 from loadtests.health import percentile_ms
@@ -17,13 +17,17 @@ from rollout.acceptance_slices import by_prompt_length, by_turn
 from rollout.config import TWIN
 from rollout.depth_advice import DepthAdvice, DepthArm, advise_depth
 from rollout.judge.goodput import goodput_by_arm
+from rollout.judge.verdicts import GateResult, Verdict
 from rollout.phases.candidates import lost_candidates
+from rollout.phases.setup import arm_config
 from rollout.phases.experiment_loop import LOAD_MARGIN_S, LOAD_STOP_TIMEOUT_S, ExperimentContext, ExperimentPhase
 from rollout.result import ExperimentSummary, SpecDecodeSummary
 from rollout.run_context import InfrastructureError, RunContext
 
 
 KV_SAMPLE_EVERY_S = 5.0
+# a check, not a configurable gate (not in GATE_NAMES): the decision counts it whatever gates are enabled
+OTHER_TRAFFIC_CHECK = "experiment_other_traffic"
 
 
 class Experiment:
@@ -64,10 +68,12 @@ class Experiment:
         spec = with_console(ctx, spec, "experiment")
         # KV usage is a gauge: its peak and mean need samples between the looks (cluster.metrics)
         sampler = MetricsSampler(ctx.fleet.metrics, every_s=KV_SAMPLE_EVERY_S).start()
+        counted = _request_counts(ctx)
         try:
             outcome = self._run_phase(ctx, exp, spec, sampler)
         finally:
             samples = sampler.stop()
+        _check_other_traffic(ctx, counted, _request_counts(ctx))
         for arm in ctx.result.arms:
             replicas = [name for name, a in ctx.replica_arms().items() if a == arm]
             ctx.result.arms[arm]["kv"] = kv_stats(samples, replicas).to_dict()
@@ -138,6 +144,43 @@ class Experiment:
         ctx.result.gates += outcome.gates
         for name, gates in outcome.candidate_gates.items():
             ctx.candidate_gates.setdefault(name, []).extend(gates)
+
+
+def _request_counts(ctx: RunContext) -> tuple[dict, dict] | None:
+    """(replica URL -> finished requests on its server, replica URL -> the router's counts); None
+    when either side cannot answer. Launched replicas only: an `endpoints:` server is shared."""
+    try:
+        scraped, state = ctx.fleet.metrics(), ctx.router.state()
+    except Exception:  # a dead router or fleet shows in the phase itself
+        return None
+    shared = {arm for arm in ctx.cfg.experiment_arms if arm_config(ctx.cfg, arm).endpoints}
+    urls = {r.name: r.url.rstrip("/") for r in ctx.fleet.replicas if r.url and r.arm not in shared}
+    finished = {urls[name]: snap.requests_finished for name, snap in scraped.items() if name in urls}
+    routed = {url.rstrip("/"): counts for url, counts in state["replica_counts"].items()}
+    return finished, routed
+
+
+def _check_other_traffic(ctx: RunContext, before: tuple[dict, dict] | None, after: tuple[dict, dict] | None) -> None:
+    """Requests a replica's server finished during the experiment that the router did not send it:
+    someone else loaded that arm, so its latency is not the experiment's. It blocks PROMOTE (an
+    inconclusive check); a rollback still stands."""
+    if before is None or after is None:
+        return
+    common = set(before[0]) & set(after[0]) & set(before[1]) & set(after[1])
+    excess = requests_not_routed(
+        {url: after[0][url] - before[0][url] for url in common},
+        {url: after[1][url]["routed"] - before[1][url]["routed"] for url in common},
+        {url: before[1][url]["in_flight"] for url in common},
+    )
+    if not excess:
+        return
+    detail = "; ".join(f"{url} ({after[1][url]['arm']}) finished {n} requests the router did not send"
+                       for url, n in sorted(excess.items()))
+    ctx.say(f"experiment: WARNING: other traffic reached the arms: {detail}")
+    ctx.result.gates.append(GateResult(
+        name=OTHER_TRAFFIC_CHECK, metric="requests_not_routed", baseline=None, canary=None, threshold=0.0,
+        verdict=Verdict.INCONCLUSIVE, estimate=float(sum(excess.values())),
+        detail=f"other traffic on the arms, the experiment cannot judge them: {detail}"))
 
 
 def depth_advice_of(ctx: RunContext, records: list[RequestRecord], looks_of: list[int],
