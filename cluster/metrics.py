@@ -206,8 +206,8 @@ def requests_not_routed(
     traffic that did not come through the router, someone else's."""
     out = {}
     for replica, done in finished.items():
-        if replica not in routed:
-            continue
+        if replica not in routed or done < 0 or routed[replica] < 0:
+            continue  # a counter went down (a restart in between): nothing to tell
         excess = int(done - routed[replica] - in_flight_at_start.get(replica, 0))
         if excess > 0:
             out[replica] = excess
