@@ -28,7 +28,7 @@ from pathlib import Path
 import ray
 import requests
 
-from cluster.engine_spec import EngineSpec, printable_args
+from cluster.engine_spec import EngineSpec, printable_args, vllm_flag_name
 from cluster.lease import Lease
 from cluster.log_cause import failure_cause
 from cluster.metrics import MetricsSnapshot, fetch_metrics_text, parse_metrics
@@ -131,6 +131,35 @@ def capped_log(path: str | Path, max_bytes: int) -> tuple[bytes, int]:
     return head + cut + tail, size
 
 
+HUB_TOKEN_FLAG = "--hf-token"
+HUB_TOKEN_ENV = "HF_TOKEN"  # what vLLM's hub downloads read when no --hf-token is given
+
+
+def hub_token_out_of(command: list[str]) -> tuple[list[str], str | None]:
+    """(command without --hf-token and its value, that value): the token goes to the server by its
+    environment instead, since a command line is visible to every user of the host and vLLM prints
+    its non-default arguments into the raw server log on the node. Any unambiguous prefix down to
+    --hf-t, '_' for '-', as vLLM reads it; a bare --hf-token (the stored login) is dropped too."""
+    out: list[str] = []
+    token: str | None = None
+    taking = False
+    for arg in command:
+        if taking:
+            taking = False
+            if not arg.startswith("-"):
+                token = arg
+                continue
+        name = vllm_flag_name(arg)
+        if arg.startswith("--") and len(name) >= len("--hf-t") and HUB_TOKEN_FLAG.startswith(name):
+            if "=" in arg:
+                token = arg.split("=", 1)[1] or None
+            else:
+                taking = True
+            continue
+        out.append(arg)
+    return out, token
+
+
 class VLLMReplicaServer:
     """The replica's logic; `VLLMReplica` is the Ray actor class built from it."""
 
@@ -158,10 +187,9 @@ class VLLMReplicaServer:
     def planned_launch(self, port: int = 0) -> tuple[list[str], dict[str, str]]:
         """The command and environment additions launch() would use (no process started)."""
         gpu_ids = [str(g) for g in ray.get_gpu_ids()] if self.spec.device == "gpu" else None
-        return (
-            self.spec.command(port or 0, host=self.host),
-            self.spec.environment(gpu_ids=gpu_ids, iomp_path=iomp_library()),
-        )
+        command, token = hub_token_out_of(self.spec.command(port or 0, host=self.host))
+        env = self.spec.environment(gpu_ids=gpu_ids, iomp_path=iomp_library())
+        return command, {**env, HUB_TOKEN_ENV: token} if token else env
 
     def where(self) -> tuple[str, str]:
         """(node id, node IP) of this actor: where its server runs and its log lies."""
