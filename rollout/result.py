@@ -22,6 +22,7 @@ from rollout.crossover import Crossing, LevelResult
 from rollout.depth_advice import DepthAdvice
 from rollout.judge.goodput import ArmGoodput
 from rollout.judge.noise_floor import NoiseFloor
+from rollout.judge.power import DetectableEffect
 from rollout.judge.verdicts import Decision, GateResult
 from rollout.redact import known_secrets, redact_document
 
@@ -261,6 +262,9 @@ class RunResult:
     winner: str | None = None
     # the signal that ended the run (SIGTERM, SIGINT, SIGHUP; rollout.interrupts): exit 130, with error set
     interrupted: str | None = None
+    # gate -> what the plan could decide (rollout.judge.power), said before the run; None: not computed
+    # (decision.json then leaves the key out)
+    detectable_effect: dict[str, DetectableEffect] | None = None
 
     @property
     def exit_code(self) -> int:
@@ -297,6 +301,8 @@ class RunResult:
             candidates=[CandidateSummary.model_validate(c) for c in doc["candidates"]] if doc.get("candidates") else None,
             winner=doc.get("winner"),
             interrupted=_signal_named(error) if doc.get("exit_code") == EXIT_INTERRUPTED else None,
+            detectable_effect=({g: DetectableEffect.model_validate(e) for g, e in doc["detectable_effect"].items()}
+                               if doc.get("detectable_effect") is not None else None),
         )
 
 
@@ -335,6 +341,8 @@ def decision_document(result: RunResult) -> dict[str, Any]:
     }
     if result.usage is not None:
         doc["usage"] = result.usage.document()
+    if result.detectable_effect is not None:
+        doc["detectable_effect"] = {g: e.model_dump(mode="json") for g, e in result.detectable_effect.items()}
     if result.candidates is not None:
         doc["candidates"] = [c.model_dump(mode="json") for c in result.candidates]
         doc["winner"] = result.winner

@@ -1,6 +1,7 @@
-"""Before anything is measured: the engines each arm runs (tiny checkpoints written and sized
-for this machine), then the fleet of replicas and the router over them, started or, for a
-resumed run, adopted from the attempt that died."""
+"""Before anything is measured: what the plan can decide (each gate's detectable effect,
+rollout.judge.power), the engines each arm runs (tiny checkpoints written and sized for this
+machine), then the fleet of replicas and the router over them, started or, for a resumed run,
+adopted from the attempt that died."""
 
 from __future__ import annotations
 
@@ -20,6 +21,8 @@ from cluster.router import Router, RouterClient
 from cluster.router_limits import is_loopback
 from rollout import plan_command
 from rollout.config import TWIN, ArmConfig
+from rollout.judge.candidates import candidate_gates
+from rollout.judge.power import PowerPlan, detectable_effects, render
 from rollout.redact import known_secrets, redact_engine, scrub
 from rollout.result import UsageSummary
 from rollout.run_context import InfrastructureError, Progress, RunContext
@@ -56,6 +59,36 @@ def resolve_arm_engine(arm: ArmConfig, cache_dir: Path, progress: Progress, sizi
     return arm.engine.model_copy(update=update)
 
 
+def eval_items(spec) -> int | None:
+    """How many paired items the accuracy phase will judge (None: unknown before the engines exist, a tiny
+    model's own golden set without a limit)."""
+    from rollout.evals import GSM8K_TEST
+
+    path = Path(spec.path) if spec.path else (GSM8K_TEST if spec.kind == "gsm8k" else None)
+    try:
+        lines = sum(1 for line in path.open(encoding="utf-8") if line.strip()) if path is not None else None
+    except OSError:  # the accuracy phase says what is wrong with the file
+        lines = None
+    if spec.limit is not None:
+        return min(spec.limit, lines) if lines is not None else spec.limit
+    return lines
+
+
+def power_plan(cfg) -> PowerPlan:
+    """The plan `rollout.judge.power` reads: the gates (at alpha / K with K candidates, as each is judged),
+    the accuracy phase's items and the experiment's judged requests per arm, looks and output tokens."""
+    arms = list(cfg.candidates) or [cfg.canary]
+    exp = cfg.experiment
+    return PowerPlan(
+        gates=candidate_gates(cfg.gates, len(arms)),
+        eval_items=eval_items(cfg.accuracy) if cfg.accuracy.enabled else None,
+        requests_per_arm=exp.requests_per_arm if exp.enabled else None,
+        planned_looks=exp.planned_looks,
+        output_tokens=exp.max_tokens,
+        speculative_tokens=min(arm.engine.num_speculative_tokens for arm in arms),
+    )
+
+
 def arm_config(cfg, arm: str) -> ArmConfig:
     """The config of one arm (the twin is a second baseline; a candidate by its name)."""
     return cfg.arm(arm)
@@ -72,6 +105,7 @@ class Prepare:
     def run(self, ctx: RunContext) -> None:
         cfg, result = ctx.cfg, ctx.result
         t0 = time.monotonic()
+        self._power(ctx, say=not ctx.resuming)  # a resumed run said it when it began
         tiny = cfg.baseline.tiny_model or cfg.canary.tiny_model
         # the probe's answer is cached per machine
         sizing = size_tiny_model(ctx.cache_dir, ctx.say, options=tiny) if tiny and tiny.size == "auto" else None
@@ -96,6 +130,19 @@ class Prepare:
             if arm_cfg.endpoints:  # servers this run judges but did not start (credentials refused by the config)
                 result.arms[arm]["endpoints"] = list(arm_cfg.endpoints)
         result.timings["prepare_s"] = time.monotonic() - t0
+
+    @staticmethod
+    def _power(ctx: RunContext, say: bool) -> None:
+        """What the plan can decide, said before anything starts, and kept for decision.json."""
+        try:
+            effects = detectable_effects(power_plan(ctx.cfg))
+        except (ValueError, ArithmeticError) as exc:  # a plan the approximations cannot handle: said, never fatal
+            if say:
+                ctx.say(f"power: not computed ({type(exc).__name__}: {exc})")
+            return
+        ctx.result.detectable_effect = {e.gate: e for e in effects}
+        for line in render(effects) if say else ():
+            ctx.say(line)
 
 
 # the hub token a job's runtime environment may hold: scrubbed from copied logs like a config's secrets
