@@ -136,7 +136,7 @@ class Prepare:
         """What the plan can decide, said before anything starts, and kept for decision.json."""
         try:
             effects = detectable_effects(power_plan(ctx.cfg))
-        except (ValueError, ArithmeticError) as exc:  # a plan the approximations cannot handle: said, never fatal
+        except Exception as exc:  # noqa: BLE001 - what the plan can decide is said, never what stops a run
             if say:
                 ctx.say(f"power: not computed ({type(exc).__name__}: {exc})")
             return
