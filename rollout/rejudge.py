@@ -34,11 +34,19 @@ What the replay knows, and from where:
   gates are carried over as the run judged them. Otherwise they are enabled but not
   judged, so the input cannot PROMOTE unless gates.enabled leaves them out.
 
+Gates that are not the run's own: for a run directory, every gate enabled or left
+out, every threshold and the alpha that differ from its decision.json
+``gates_config`` (and a look plan other than its own) are listed (``changed_gates``).
+A PROMOTE under them is a new decision rule chosen after the data were seen, not the
+run's verdict: it exits 4, not 0, unless ``--accept-changed-gates`` says so. A bare
+records file has no gates of its own to compare (said in the notes).
+
 Output: one verdict object per input (``--json``: one JSON object per line with
-input, decision, reason, gates, looks, stopped_by, notes), else a table. Exit code
-as ``run``: 0 every input promotes, 3 any rolls back, 4 otherwise; a bad input (a
-missing file, a line that is not a record: named by its number) is one line on
-stderr and exit 2.
+input, decision, reason, gates, looks, stopped_by, changed_gates,
+accepted_changed_gates, notes), else a table. Exit code as ``run``: 0 every input
+promotes (under its run's own gates, or accepted), 3 any rolls back, 4 otherwise; a
+bad input (a missing file, a line that is not a record: named by its number) is one
+line on stderr and exit 2.
 """
 
 from __future__ import annotations
@@ -60,7 +68,7 @@ from loadtests.records import RequestRecord
 from rollout.judge.config import GatesConfig
 from rollout.judge.experiment_looks import LookPlan, Replay, replay_looks
 from rollout.judge.goodput import ArmGoodput, goodput_by_arm
-from rollout.judge.names import GATE_PHASES, PREFIX_CACHE_NAME
+from rollout.judge.names import GATE_NAMES, GATE_PHASES, PREFIX_CACHE_NAME
 from rollout.judge.prefix_cache import PrefixCacheLooks
 from rollout.judge.request_acceptance import spec_decode_of_requests
 from rollout.judge.verdicts import Decision, GateResult, Verdict, decide, is_enabled, missing_gates
@@ -91,6 +99,8 @@ class JudgeInput:
     stored_prefix_cache: PrefixCacheLooks | None = None  # the run's counters at its looks (decision.json)
     carried_gates: list[GateResult] = field(default_factory=list)  # the run's accuracy gates
     notes: list[str] = field(default_factory=list)
+    # what differs from the run's own gates and plan (decision.json); None: a bare records file, nothing to compare
+    changed: list[str] | None = None
 
 
 @dataclass
@@ -102,6 +112,13 @@ class JudgeOutcome:
     replay: Replay
     notes: list[str]
     goodput: dict[str, ArmGoodput] | None = None  # per arm over the judged records, when the gates set an SLO
+    changed: list[str] = field(default_factory=list)  # gates, thresholds, alpha, plan other than the run's own
+    accept_changed: bool = False  # --accept-changed-gates
+
+    @property
+    def unaccepted_promote(self) -> bool:
+        """A PROMOTE under gates other than the run's, not accepted: it exits as INCONCLUSIVE."""
+        return self.decision is Decision.PROMOTE and bool(self.changed) and not self.accept_changed
 
     def document(self) -> dict[str, Any]:
         doc = {
@@ -118,6 +135,8 @@ class JudgeOutcome:
             "warmup_records": self.replay.warmup_records,
             "judged_records": self.replay.judged_records,
             "unjudged_records": self.replay.unjudged_records,
+            "changed_gates": self.changed,
+            "accepted_changed_gates": bool(self.changed) and self.accept_changed,
             "notes": self.notes,
         }
         if self.goodput is not None:
@@ -195,6 +214,27 @@ def _stored_plan(doc: dict[str, Any], default: LookPlan) -> LookPlan:
                     warmup_requests_per_arm=int(exp.get("warmup_requests_per_arm") or 0))
 
 
+def changed_gates(run: GatesConfig, judging: GatesConfig) -> list[str]:
+    """What of ``judging`` differs from the run's own ``run``: gates judged or left out, every other field
+    (thresholds, alpha, spending...) as 'name run -> judging'."""
+    ran = {name for name in GATE_NAMES if is_enabled(name, run)}
+    now = {name for name in GATE_NAMES if is_enabled(name, judging)}
+    out = []
+    if now - ran:
+        out.append("gates judged that the run did not: " + ", ".join(n for n in GATE_NAMES if n in now - ran))
+    if ran - now:
+        out.append("gates no longer judged: " + ", ".join(n for n in GATE_NAMES if n in ran - now))
+    before, after = run.model_dump(mode="json"), judging.model_dump(mode="json")
+    for name in GatesConfig.model_fields:
+        if name not in ("enabled", "disabled") and before.get(name) != after.get(name):
+            out.append(f"{name} {_shown(before.get(name))} -> {_shown(after.get(name))}")
+    return out
+
+
+def _shown(value: Any) -> str:
+    return f"{value:g}" if isinstance(value, float) else json.dumps(value) if isinstance(value, (dict, list)) else str(value)
+
+
 def load_input(arg: str, run_config: Any | None) -> JudgeInput:
     """Read one input (records file or run dir) and resolve its gates, plan and acceptance evidence.
 
@@ -229,6 +269,13 @@ def load_input(arg: str, run_config: Any | None) -> JudgeInput:
         notes.append("no --config and no decision.json: default gates and look plan")
     inp = JudgeInput(label=arg, records=records, gates=gates, plan=plan, canary_spec=None,
                      speculative_canary=speculative, notes=notes)
+    if doc is not None:
+        try:
+            inp.changed = changed_gates(GatesConfig(**(doc.get("gates_config") or {})), gates)
+        except (ValidationError, TypeError):  # read above when no --config; with one, the run's own are unreadable
+            inp.changed = ["the run's own gates_config cannot be read: every gate counts as changed"]
+    elif run_config is not None:
+        notes.append("a bare records file: the run's own gates are unknown, so what --config changes cannot be said")
     if doc is None:
         if is_enabled("acceptance_length_floor", gates) and spec_decode_of_requests(records, CANARY) is None:
             notes.append("a bare records file whose canary requests carry no per-request spec-decode counters: "
@@ -257,6 +304,9 @@ def _from_run(inp: JudgeInput, doc: dict[str, Any], path: Path) -> None:
                              "they were recorded): prefix_cache_guard is inconclusive")
     elif looks:
         inp.notes.append("the look plan differs from the run's: looks by the boundary rule on the records' clock")
+        if inp.changed is not None:
+            inp.changed.append(f"look plan {exp.get('requests_per_look')} per look of {exp.get('requests_per_arm_planned')} "
+                               f"-> {inp.plan.requests_per_look} of {inp.plan.requests_per_arm}")
     for stored in doc.get("gates") or []:
         if isinstance(stored, dict) and GATE_PHASES.get(stored.get("name")) == "accuracy":
             try:
@@ -317,7 +367,7 @@ def judge_input(inp: JudgeInput) -> JudgeOutcome:
     slo = inp.gates.goodput_slo
     judged = inp.records[replay.warmup_records: replay.warmup_records + replay.judged_records]
     goodput = goodput_by_arm(judged, slo) if slo is not None else None
-    return JudgeOutcome(inp.label, decision, reason, gates, replay, inp.notes, goodput)
+    return JudgeOutcome(inp.label, decision, reason, gates, replay, inp.notes, goodput, changed=list(inp.changed or []))
 
 
 # -- output ------------------------------------------------------------------------------------
@@ -340,12 +390,18 @@ def table(outcome: JudgeOutcome) -> str:
     if outcome.goodput is not None:
         lines.append("  goodput (judged requests meeting the SLO): " + ", ".join(
             f"{arm} {_number(g.share)} ({g.met}/{g.of})" for arm, g in outcome.goodput.items()))
+    if outcome.changed:
+        lines.append("  gates differ from the run's own: " + "; ".join(outcome.changed))
+    if outcome.unaccepted_promote:
+        lines.append("  PROMOTE under gates the run did not use: not the run's verdict, exit 4 "
+                     "(--accept-changed-gates accepts it)")
     lines += [f"  note: {note}" for note in outcome.notes]
     return "\n".join(lines)
 
 
 def exit_code(decisions: Sequence[Decision]) -> int:
-    """As `run`: 0 when every input promotes, 3 when any rolls back, else 4."""
+    """As `run`: 0 when every input promotes, 3 when any rolls back, else 4 (pass an unaccepted PROMOTE under
+    changed gates as INCONCLUSIVE)."""
     if any(d is Decision.ROLLBACK for d in decisions):
         return EXIT_CODES[Decision.ROLLBACK]
     if decisions and all(d is Decision.PROMOTE for d in decisions):
@@ -360,6 +416,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--config", help="a run config whose gates and look plan to judge with "
                         "(default: the run directory's decision.json gates_config, else the defaults)")
     parser.add_argument("--json", action="store_true", help="one JSON object per input, one per line")
+    parser.add_argument("--accept-changed-gates", action="store_true",
+                        help="exit 0 on a PROMOTE under gates, thresholds, alpha or plan other than the run's own "
+                             "(they are listed either way)")
     args = parser.parse_args(list(sys.argv[1:] if argv is None else argv))
     try:
         run_config = None
@@ -375,5 +434,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         print(f"mtp-canary judge: {exc}", file=sys.stderr)
         return EXIT_BAD_INPUT
     for outcome in outcomes:
+        outcome.accept_changed = args.accept_changed_gates
         print(json.dumps(outcome.document()) if args.json else table(outcome))
-    return exit_code([o.decision for o in outcomes])
+    return exit_code([Decision.INCONCLUSIVE if o.unaccepted_promote else o.decision for o in outcomes])
