@@ -265,6 +265,9 @@ class RunResult:
     # gate -> what the plan could decide (rollout.judge.power), said before the run; None: not computed
     # (decision.json then leaves the key out)
     detectable_effect: dict[str, DetectableEffect] | None = None
+    # earlier runs of the same comparison (rollout.phases.setup.attempts_note): number, alpha spent together,
+    # the INCONCLUSIVE ones; None for a first attempt (decision.json then leaves the key out)
+    attempts: dict[str, Any] | None = None
 
     @property
     def exit_code(self) -> int:
@@ -303,6 +306,7 @@ class RunResult:
             interrupted=_signal_named(error) if doc.get("exit_code") == EXIT_INTERRUPTED else None,
             detectable_effect=({g: DetectableEffect.model_validate(e) for g, e in doc["detectable_effect"].items()}
                                if doc.get("detectable_effect") is not None else None),
+            attempts=doc.get("attempts"),
         )
 
 
@@ -343,6 +347,8 @@ def decision_document(result: RunResult) -> dict[str, Any]:
         doc["usage"] = result.usage.document()
     if result.detectable_effect is not None:
         doc["detectable_effect"] = {g: e.model_dump(mode="json") for g, e in result.detectable_effect.items()}
+    if result.attempts is not None:
+        doc["attempts"] = result.attempts
     if result.candidates is not None:
         doc["candidates"] = [c.model_dump(mode="json") for c in result.candidates]
         doc["winner"] = result.winner

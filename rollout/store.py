@@ -452,3 +452,32 @@ class RunStore:
                 (run_id,),
             )
         ]
+
+
+def same_question_runs(store: RunStore, run_id: str) -> list[dict[str, Any]]:
+    """The runs of ``store`` that compared the same arms as ``run_id`` (its own row included), oldest first;
+    [] when the store has no such run. Read-only.
+
+    The question a run asks is its arms: the baseline's and the canary's (or the candidates') engine,
+    tiny model and endpoints; a retry that changes only the plan or the gates asks it again, and spends
+    alpha again. Each row is the runs row plus ``comparison`` (a short hash of that question) and
+    ``alpha`` (its gates.alpha)."""
+    import hashlib
+
+    def question(config_json: str | None) -> tuple[str, float]:
+        config = json.loads(config_json or "{}")
+        arms = [config.get("baseline"), config.get("canary"), *(config.get("candidates") or [])]
+        asked = [
+            {"engine": {k: v for k, v in (arm.get("engine") or {}).items() if k != "startup_timeout_s"},
+             "tiny_model": arm.get("tiny_model"), "endpoints": arm.get("endpoints")}
+            for arm in arms if isinstance(arm, dict)
+        ]
+        digest = hashlib.sha256(json.dumps(asked, sort_keys=True).encode()).hexdigest()[:12]
+        return digest, float((config.get("gates") or {}).get("alpha", 0.05))
+
+    rows = []
+    for row in store.runs():
+        comparison, alpha = question(row.get("config_json"))
+        rows.append({**row, "comparison": comparison, "alpha": alpha})
+    mine = next((r for r in rows if r["run_id"] == run_id), None)
+    return [] if mine is None else [r for r in rows if r["comparison"] == mine["comparison"]]

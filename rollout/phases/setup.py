@@ -26,6 +26,7 @@ from rollout.judge.power import PowerPlan, detectable_effects, render
 from rollout.redact import known_secrets, redact_engine, scrub
 from rollout.result import UsageSummary
 from rollout.run_context import InfrastructureError, Progress, RunContext
+from rollout.store import same_question_runs
 from tinymodel.checkpoint import TinyCheckpointSpec, checkpoint_dir, ensure_checkpoint
 from tinymodel.sizing import TinySizing, engine_dtype_for, size_tiny_model, sizing_for_arm, tiny_spec_for
 
@@ -89,6 +90,29 @@ def power_plan(cfg) -> PowerPlan:
     )
 
 
+def attempts_note(ctx: RunContext) -> None:
+    """Earlier runs of the same comparison (rollout.store.same_question_runs): said before anything starts,
+    with the ones judged INCONCLUSIVE and the alpha every judged attempt and this one spend together (a false
+    promote in any of them is bounded by the sum, not by this run's alpha), and kept for decision.json."""
+    rows = same_question_runs(ctx.store, ctx.run_id)
+    before = [r for r in rows if r["run_id"] != ctx.run_id and r["decision"] is not None]
+    if not before:
+        return
+    mine = next(r for r in rows if r["run_id"] == ctx.run_id)
+    inconclusive = [r["run_id"] for r in before if r["decision"] == "inconclusive"]
+    spent = round(sum(r["alpha"] for r in before) + mine["alpha"], 6)
+    number = len(before) + 1
+    ctx.result.attempts = {"comparison": mine["comparison"], "number": number, "alpha_spent_together": spent,
+                           "judged_before": {r["run_id"]: r["decision"] for r in before},
+                           "inconclusive_before": inconclusive}
+    ctx.say(f"history: attempt {number} at this comparison (arms {mine['comparison']}): judged before as "
+            + ", ".join(f"{r['run_id']} {r['decision'].upper()}" for r in before))
+    if inconclusive:
+        ctx.say(f"history: judged INCONCLUSIVE before: {', '.join(inconclusive)}; trying again spends alpha again: "
+                f"the {number} attempts together bound a false promote by {spent:g} (sum of their alphas), "
+                f"not {mine['alpha']:g}")
+
+
 def arm_config(cfg, arm: str) -> ArmConfig:
     """The config of one arm (the twin is a second baseline; a candidate by its name)."""
     return cfg.arm(arm)
@@ -106,6 +130,8 @@ class Prepare:
         cfg, result = ctx.cfg, ctx.result
         t0 = time.monotonic()
         self._power(ctx, say=not ctx.resuming)  # a resumed run said it when it began
+        if not ctx.resuming:
+            attempts_note(ctx)
         tiny = cfg.baseline.tiny_model or cfg.canary.tiny_model
         # the probe's answer is cached per machine
         sizing = size_tiny_model(ctx.cache_dir, ctx.say, options=tiny) if tiny and tiny.size == "auto" else None
