@@ -1,9 +1,9 @@
 """Does the latency judge hold its error rate when requests are not independent? Measured, by seeded simulation.
 
 Every simulated run goes through ``rollout.judge.latency.judge_latency`` itself, at the
-default ``GatesConfig``, with the demo's design: 40 requests per arm per look, 200 per
-arm planned (5 looks), alpha spent at information n / 200. One call at the last look
-judges all five looks (the judge intersects the repeated intervals of every look so
+default ``GatesConfig``, with the demo's design: 40 requests per arm per look, 400 per
+arm planned (10 looks), alpha spent at information n / 400. One call at the last look
+judges all ten looks (the judge intersects the repeated intervals of every look so
 far, so a gate that passed at some look still passes at the last one, unless the
 intervals of two looks became disjoint).
 
@@ -55,9 +55,9 @@ import numpy as np
 from rollout.judge.config import GatesConfig
 from rollout.judge.latency import LatencySamples, judge_latency
 
-LOOKS = 5
+LOOKS = 10
 REQUESTS_PER_LOOK = 40
-REQUESTS_PER_ARM = 200
+REQUESTS_PER_ARM = 400
 STALL_RUN = 10
 STALL_PROBABILITY = 0.1
 STALL_FACTOR = 2.0
@@ -146,7 +146,7 @@ def _tpot(rng: np.random.Generator, scenario: Scenario, n: int) -> np.ndarray:
 def simulate_arm(
     rng: np.random.Generator, scenario: Scenario, canary: bool, linked_level: np.ndarray | None = None
 ) -> LatencySamples:
-    """One arm's samples over the 5 looks, with the look of every sample and every error."""
+    """One arm's samples over the planned looks, with the look of every sample and every error."""
     per_look = scenario.canary_per_look if canary else scenario.baseline_per_look
     n = LOOKS * per_look
     effect = np.exp(_correlated_log_effect(rng, scenario, per_look, linked_level))
@@ -221,7 +221,7 @@ def run(trials: int, seed: int, scenarios: Sequence[Scenario] = SCENARIOS) -> di
 def format_table(result: dict) -> str:
     lines = [
         f"Latency judge calibration: {result['trials']} runs per row, seed {result['seed']}, alpha {result['alpha']:g} "
-        f"(simulation SE at alpha {result['alpha_se']:.4f}); 5 looks x 40 requests per arm, information n/200",
+        f"(simulation SE at alpha {result['alpha_se']:.4f}); {LOOKS} looks x {REQUESTS_PER_LOOK} requests per arm, information n/{REQUESTS_PER_ARM}",
         f"{'scenario':28} {'gate':22} {'ratio':>6} {'pass rate':>10} {'SE':>7}  {'target':>10}  ok",
     ]
     for row in result["rows"]:

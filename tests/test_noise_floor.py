@@ -111,7 +111,7 @@ def test_a_twin_without_an_interval_yet_blocks_the_pass():
 
 
 def test_a_fail_stays_a_fail_and_other_gates_are_untouched():
-    recs, looks_of = records(4, {BASELINE: 1.0, CANARY: 1.3, TWIN_ARM: 0.8})
+    recs, looks_of = records(4, {BASELINE: 1.0, CANARY: 1.6, TWIN_ARM: 0.8})
     gates, floor = judge_all(recs, looks_of, twin=True)
     assert floor is not None and floor.excludes_one
     assert gates[OBJECTIVE_NAME].verdict is Verdict.FAIL

@@ -132,6 +132,15 @@ class GatesConfig(pydantic.BaseModel, extra="forbid"):
         description="Gate names not to judge (their figures are still reported, e.g. goodput per arm); "
         f"the rest of `enabled` (or of all configured gates) is judged. Known names: {', '.join(GATE_NAMES)}.",
     )
+    look_correlation_max: float = Field(
+        0.5,
+        ge=0.0,
+        lt=1.0,
+        description="The look-to-look correlation of an arm's latency level (drift, a replica's state) the latency "
+        "gates' critical values hold for: their intervals are drift-robust over the looks (a Bartlett long-run "
+        "variance with the worst case of an AR(1) level up to this correlation). Higher: wider intervals, slower "
+        "drift covered; a twin baseline or a longer run covers drift beyond it (docs/calibration.md).",
+    )
     spending: Literal["obrien_fleming", "pocock"] = Field(
         "obrien_fleming",
         description="Alpha-spending function over the looks (Lan-DeMets): obrien_fleming keeps early looks strict, "

@@ -208,8 +208,8 @@ class _ArmLook:
     look_ids: np.ndarray | None = None
     look_sums: np.ndarray | None = None
 
-    def band(self, q: float, level: float, df: float | None = None) -> stats.QuantileBand:
-        return stats.quantile_band(self.sorted_values, q, level, self.deff, self.n_blocks, df, self.distinct)
+    def band(self, q: float, level: float, df: float | None = None, critical: float | None = None) -> stats.QuantileBand:
+        return stats.quantile_band(self.sorted_values, q, level, self.deff, self.n_blocks, df, self.distinct, critical)
 
     def iid_variance(self, q: float) -> float:
         """The iid variance of the log quantile, read off an order-statistic band (inf where it touches +inf)."""
@@ -231,26 +231,46 @@ class _ArmLook:
 class _ArmPair:
     """Both arms of one look as their ratio's bounds use them: design effects scaled by the pairing, and the df.
 
-    ``pairing``: the ratio's block-robust variance with the arms' blocks paired by
-    look over the sum of the arms' own (`stats.paired_block_variance_factor`); each
-    arm's design effect is multiplied by it, so the MOVER combination of the arms'
-    bands carries the paired variance; NaN where the arms are not paired (blocks
-    are runs of requests, or an SE is infinite): then the arms count as independent.
+    ``pairing``: the ratio's variance with the arms paired by look, looks taken as
+    independent, over the sum of the arms' own (`stats.paired_block_variance_factor`);
+    ``drift_factor``: the drift-robust variance (`stats.drift_long_run_variance` of the
+    per-look contrast) over that one. Each arm's design effect is multiplied by both,
+    so the MOVER combination of the arms' bands carries the drift-robust paired
+    variance; ``pairing`` NaN where the arms are not paired
+    (blocks are runs of requests, or an SE is infinite): then the arms count as
+    independent (t on Welch's df). Paired, ``looks`` and ``correlation`` set the
+    critical values (`critical`): the drift-robust law over that many looks, for
+    look-to-look correlations up to ``correlation``.
+    ``autocorrelation``: lag-1 autocorrelation of the baseline's, the canary's and the
+    contrast's per-look series.
     """
 
     baseline: _ArmLook
     canary: _ArmLook
     df: float
     pairing: float
+    looks: int = 0
+    correlation: float = 0.0
+    autocorrelation: tuple[float, float, float] = (math.nan, math.nan, math.nan)
+    drift_factor: float = math.nan  # drift-robust over independent-looks variance (above 1: levels persist)
+
+    def critical(self, level: float) -> float | None:
+        """The critical value at ``level`` when paired by look (None: t on ``df``)."""
+        if not math.isfinite(self.pairing):
+            return None
+        return stats.drift_critical_value(level, self.looks, self.correlation)
 
 
-def _pair_arms(bl: _ArmLook, cl: _ArmLook, q: float) -> _ArmPair:
-    """The arms paired by look where their blocks are looks (t on looks - 1 df), else independent (Welch df).
+def _pair_arms(bl: _ArmLook, cl: _ArmLook, q: float, correlation: float) -> _ArmPair:
+    """The arms paired by look where their blocks are looks (drift-robust), else independent (Welch df).
 
     A look is one stretch of time for both arms: a level it gives both (a
     disturbance of the machine) cancels in the ratio, one it gives them in
     opposite directions (replicas fighting for the same cores) adds up; the arms'
-    own design effects see neither.
+    own design effects see neither. A level that persists across looks (drift,
+    a replica's state) makes consecutive looks alike: the per-look contrast's
+    long-run variance (`stats.drift_long_run_variance`) counts it where a sum of
+    independent looks would not.
     """
     vb, vc = bl.block_variance(q), cl.block_variance(q)
     welch = stats.welch_df(vb, bl.n_blocks - 1, vc, cl.n_blocks - 1)
@@ -259,14 +279,26 @@ def _pair_arms(bl: _ArmLook, cl: _ArmLook, q: float) -> _ArmPair:
         return _ArmPair(bl, cl, welch, math.nan)
     if not all(map(math.isfinite, (vb, vc, ib, ic))):
         return _ArmPair(bl, cl, welch, math.nan)
-    pairing = stats.paired_block_variance_factor(
-        bl.look_ids, bl.look_sums, math.sqrt(ib / (bl.sorted_values.size * q * (1.0 - q))),
-        cl.look_ids, cl.look_sums, math.sqrt(ic / (cl.sorted_values.size * q * (1.0 - q))),
-    )
-    if not math.isfinite(pairing):
+    scale_b = math.sqrt(ib / (bl.sorted_values.size * q * (1.0 - q)))
+    scale_c = math.sqrt(ic / (cl.sorted_values.size * q * (1.0 - q)))
+    independent = stats.paired_block_variance_factor(bl.look_ids, bl.look_sums, scale_b, cl.look_ids, cl.look_sums, scale_c)
+    if not math.isfinite(independent):
         return _ArmPair(bl, cl, welch, math.nan)
-    looks = int(np.union1d(bl.look_ids, cl.look_ids).size)
-    return _ArmPair(replace(bl, deff=bl.deff * pairing), replace(cl, deff=cl.deff * pairing), float(looks - 1), pairing)
+    series_b, series_c, contrast = stats.paired_look_series(bl.look_ids, bl.look_sums, scale_b, cl.look_ids, cl.look_sums, scale_c)
+    looks = int(contrast.size)
+    own = (
+        bl.look_ids.size / (bl.look_ids.size - 1) * float(np.sum(series_b**2))
+        + cl.look_ids.size / (cl.look_ids.size - 1) * float(np.sum(series_c**2))
+    )
+    scaling = float(stats.drift_long_run_variance(contrast)) / own
+    if not (math.isfinite(scaling) and scaling > 0.0):
+        return _ArmPair(bl, cl, welch, math.nan)
+    autocorrelation = tuple(stats.lag_one_autocorrelation(x) for x in (series_b, series_c, contrast))
+    return _ArmPair(
+        replace(bl, deff=bl.deff * scaling), replace(cl, deff=cl.deff * scaling), float(looks - 1), independent,
+        looks=looks, correlation=correlation, autocorrelation=autocorrelation,  # type: ignore[arg-type]
+        drift_factor=scaling / independent,
+    )
 
 
 @dataclass(frozen=True)
@@ -428,6 +460,10 @@ class _QuantileRatioBounds:
     block_kind: str = "looks"
     tie_widened: bool = False
     pairing: float = math.nan
+    autocorrelation: tuple[float, float, float] = (math.nan, math.nan, math.nan)  # baseline, canary, contrast
+    drift_factor: float = math.nan
+    looks_paired: int = 0
+    correlation: float = 0.0
 
 
 @dataclass(frozen=True)
@@ -447,6 +483,21 @@ class _ErrorRateBounds:
     diff: float | None = None
     upper: float | None = None
     lowers: tuple[float, ...] = ()
+    deff: tuple[float, float] = (1.0, 1.0)  # each arm's error-count design effect over the looks (bursts)
+
+
+def _error_count_design_effect(samples: LatencySamples) -> float:
+    """The arm's error-count design effect over its looks (`stats.count_design_effect`); 1 without looks."""
+    if samples.window is None or samples.error_window is None:
+        return 1.0
+    errors = np.asarray(samples.error_window, dtype=int).ravel()
+    successes = np.asarray(samples.window, dtype=int).ravel()
+    looks = np.union1d(errors, successes)
+    if looks.size < 2:
+        return 1.0
+    error_counts = np.array([np.count_nonzero(errors == lk) for lk in looks], dtype=float)
+    request_counts = error_counts + np.array([np.count_nonzero(successes == lk) for lk in looks], dtype=float)
+    return stats.count_design_effect(error_counts, request_counts)
 
 
 @dataclass(frozen=True)
@@ -463,6 +514,7 @@ def _why_no_bounds(
 ) -> tuple[str, stats.QuantileBand | None, stats.QuantileBand | None]:
     """Why a look gives no pass-side bounds ("" when it does), with the arms' bands at the pass level."""
     bl, cl, df = pair.baseline, pair.canary, pair.df
+    critical = pair.critical(level)
     if min(bl.n_ok, cl.n_ok) < cfg.min_requests_per_arm:
         return f"Too few {label} samples ({bl.n_ok}/{cl.n_ok} < {cfg.min_requests_per_arm} per arm).", None, None
     if min(bl.n_blocks, cl.n_blocks) < 2:
@@ -470,7 +522,7 @@ def _why_no_bounds(
             f"Needs samples from at least 2 blocks per arm (has {bl.n_blocks}/{cl.n_blocks}): a latency level "
             "shared by one block's requests cannot be told from the arms' difference inside it."
         ), None, None
-    bb, cb = bl.band(q, level, df), cl.band(q, level, df)
+    bb, cb = bl.band(q, level, df, critical), cl.band(q, level, df, critical)
     n_needed = stats.samples_needed(q, level)
     if min(bb.n, cb.n) < n_needed:
         return (
@@ -482,7 +534,7 @@ def _why_no_bounds(
     # the fail side unbounded (MOVER gives -inf there), not the pass side.
     if not (bb.lower_rank >= 1 and cb.upper_rank <= cb.n):
         return (
-            f"The block-robust rank band (t on {df:.1f} df at level {level:.3g}, design effect "
+            f"The block-robust rank band ({_critical_text(pair, level)} at level {level:.3g}, design effect "
             f"{bl.deff:.2f}/{cl.deff:.2f}{_pairing_text(pair.pairing, ' ')}) reaches past the sample: more samples or "
             "looks needed."
         ), None, None
@@ -536,29 +588,35 @@ class _OneLook:
     lowers: tuple[float, ...]
     why_not: str
     pairing: float = math.nan  # `_ArmPair.pairing` of the look
+    autocorrelation: tuple[float, float, float] = (math.nan, math.nan, math.nan)  # `_ArmPair`'s
+    drift_factor: float = math.nan
+    looks: int = 0
 
 
 def _one_look_bounds(
     bl: _ArmLook, cl: _ArmLook, q: float, pass_level: float, fail_levels: tuple[float, ...], cfg: GatesConfig, label: str
 ) -> _OneLook:
     """The look's pass-side upper bound and fail-side lower bounds (one per level), or why it has none."""
-    pair = _pair_arms(bl, cl, q)
+    pair = _pair_arms(bl, cl, q, cfg.look_correlation_max)
+    dependence = {"pairing": pair.pairing, "autocorrelation": pair.autocorrelation, "drift_factor": pair.drift_factor,
+                  "looks": pair.looks}
     why_not, bb, cb = _why_no_bounds(pair, q, pass_level, cfg, label)
     if bb is None or cb is None:
-        return _OneLook(False, math.inf, (), why_not, pair.pairing)
+        return _OneLook(False, math.inf, (), why_not, **dependence)
     bl, cl, df = pair.baseline, pair.canary, pair.df
     _, low_at_pass, up = stats.mover_log_ratio_bounds(bb, cb)
     if not low_at_pass < up:
-        return _OneLook(False, math.inf, (), "Zero-width interval (all the band's samples tied): never a pass.", pair.pairing)
+        return _OneLook(False, math.inf, (), "Zero-width interval (all the band's samples tied): never a pass.", **dependence)
     lowers = tuple(
-        stats.mover_log_ratio_bounds(bl.band(q, level, df), cl.band(q, level, df))[1] for level in fail_levels
+        stats.mover_log_ratio_bounds(bl.band(q, level, df, pair.critical(level)), cl.band(q, level, df, pair.critical(level)))[1]
+        for level in fail_levels
     )
     if not all(map(math.isfinite, lowers)):
         why_not = (
             f"No lower bound yet: the baseline's upper or the canary's lower rank band (design effect "
             f"{bl.deff:.2f}/{cl.deff:.2f}) reaches past the sample, so the {label} p{round(q * 100)} cannot fail here."
         )
-    return _OneLook(True, up, lowers, why_not, pair.pairing)
+    return _OneLook(True, up, lowers, why_not, **dependence)
 
 
 # An earlier look's own bounds depend only on its samples (fingerprinted), the quantile and
@@ -576,7 +634,10 @@ def _look_key(
     # everything `_one_look_bounds` reads: the arms' samples and blocks up to the look, q, levels, the sample floor
     # (and whether the blocks are looks: only then are the arms paired by look)
     paired = b_series.looks is not None and c_series.looks is not None
-    return (b_series.digest(look), c_series.digest(look), paired, q, pass_level, fail_levels, cfg.min_requests_per_arm, label)
+    return (
+        b_series.digest(look), c_series.digest(look), paired, q, pass_level, fail_levels, cfg.min_requests_per_arm,
+        cfg.look_correlation_max, label,
+    )
 
 
 def _remember(key: tuple, one: _OneLook) -> None:
@@ -630,7 +691,7 @@ def _quantile_ratio_bounds(
     lower_own = np.full((len(fail_levels), n_looks), -np.inf)
     why_not = ""
     b_now = c_now = None
-    pairing = math.nan
+    now: _OneLook | None = None
     for i, lk in enumerate(looks):
         upto = lk if (use_windows and lk < boundary_look) else None
         prefix = None if information is None else tuple(information[:lk])
@@ -639,7 +700,7 @@ def _quantile_ratio_bounds(
         if upto is None:  # the current look: its arms kept for the point values, its bounds remembered for the next
             b_now, c_now = b_series.up_to(None, q), c_series.up_to(None, q)
             one = _one_look_bounds(b_now, c_now, q, pass_level, levels, cfg, label)
-            pairing = one.pairing
+            now = one
             _remember(_look_key(b_series, c_series, None, q, pass_level, levels, cfg, label), one)
         else:
             one = _earlier_look_bounds(b_series, c_series, upto, q, pass_level, levels, cfg, label)
@@ -651,7 +712,7 @@ def _quantile_ratio_bounds(
 
     _, upper = cumulative_bounds(np.full(n_looks, -np.inf), upper_own, usable)
     lowers = tuple(float(cumulative_bounds(row, np.full(n_looks, np.inf), usable)[0][-1]) for row in lower_own)
-    assert b_now is not None and c_now is not None
+    assert b_now is not None and c_now is not None and now is not None
     baseline_ms, canary_ms, log_estimate, tie_widened = _point_values(b_now, c_now, q)
     return _QuantileRatioBounds(
         name=name,
@@ -671,7 +732,11 @@ def _quantile_ratio_bounds(
         why_not=why_not,
         errors=(b_now.n_errors, c_now.n_errors),
         deff=(b_now.deff, c_now.deff),
-        pairing=pairing,
+        pairing=now.pairing,
+        autocorrelation=now.autocorrelation,
+        drift_factor=now.drift_factor,
+        looks_paired=now.looks,
+        correlation=cfg.look_correlation_max,
         blocks=(b_now.n_blocks, c_now.n_blocks),
         block_kind=b_series.block_kind,
         tie_widened=tie_widened,
@@ -681,17 +746,24 @@ def _quantile_ratio_bounds(
 def _error_rate_bounds(
     baseline: LatencySamples, canary: LatencySamples, cfg: GatesConfig, plan: _LookPlan, fail_levels: Sequence[float]
 ) -> _ErrorRateBounds:
-    """Newcombe bounds of the error-rate difference: upper at alpha, lower at each fail level."""
+    """Newcombe bounds of the error-rate difference: upper at alpha, lower at each fail level.
+
+    Errors come in bursts: each arm's counts enter Wilson's limits divided by its error-count
+    design effect over the looks (an effective sample size: a burst of B errors in one look
+    weighs about as one), so a few bursts cannot pass for many independent errors.
+    """
     boundary_look, planned, information = plan.boundary_look, plan.planned, plan.information
     nb, nc = int(baseline.n_total), int(canary.n_total)
     eb, ec = int(baseline.n_errors), int(canary.n_errors)
     if nb < 1 or nc < 1:
         return _ErrorRateBounds(usable=False, can_fail=False, nb=nb, nc=nc, eb=eb, ec=ec)
+    db, dc = _error_count_design_effect(baseline), _error_count_design_effect(canary)
+    counts = (eb / db, nb / db, ec / dc, nc / dc)
     z_pass = z(cfg.alpha, boundary_look, planned, cfg, information)
-    diff, _, upper = stats.newcombe_difference_interval(eb, nb, ec, nc, np.inf, z_pass)
+    diff, _, upper = stats.newcombe_difference_interval(*counts, np.inf, z_pass)
     lowers = []
     for level in fail_levels:
-        _, lower, _ = stats.newcombe_difference_interval(eb, nb, ec, nc, z(level, boundary_look, planned, cfg, information), np.inf)
+        _, lower, _ = stats.newcombe_difference_interval(*counts, z(level, boundary_look, planned, cfg, information), np.inf)
         lowers.append(float(lower))
     return _ErrorRateBounds(
         usable=min(nb, nc) >= cfg.min_requests_per_arm,
@@ -706,6 +778,7 @@ def _error_rate_bounds(
         diff=float(diff),
         upper=float(upper),
         lowers=tuple(lowers),
+        deff=(db, dc),
     )
 
 
@@ -721,7 +794,27 @@ def _pairing_text(pairing: float, lead: str = "; ") -> str:
     """How pairing the arms by look scaled the ratio's variance ("" when they are not paired)."""
     if not math.isfinite(pairing):
         return ""
-    return f"{lead}paired by look: x{pairing:.2f} the arms' own variances, t on looks - 1 df"
+    return f"{lead}paired by look: x{pairing:.2f} the arms' own variances, drift-robust over the looks"
+
+
+def _critical_text(pair: _ArmPair, level: float) -> str:
+    critical = pair.critical(level)
+    if critical is None:
+        return f"t on {pair.df:.1f} df"
+    return f"drift-robust critical value {critical:.2f} over {pair.looks} looks, correlation <= {pair.correlation:g}"
+
+
+def _dependence_text(bounds: _QuantileRatioBounds) -> str:
+    """The detail's sentence on dependence across looks ("" when the arms are not paired by look)."""
+    if not math.isfinite(bounds.pairing):
+        return ""
+    rb, rc, rd = (f"{r:.2f}" if math.isfinite(r) else "n/a" for r in bounds.autocorrelation)
+    factor = f"{bounds.drift_factor:.2f}" if math.isfinite(bounds.drift_factor) else "n/a"
+    return (
+        f" Dependence across {bounds.looks_paired} looks: lag-1 autocorrelation baseline {rb}, canary {rc}, "
+        f"contrast {rd}; variance x{factor} that of independent looks; critical values hold for look-to-look "
+        f"correlation <= {bounds.correlation:g}."
+    )
 
 
 def _blocks_text(bounds: _QuantileRatioBounds) -> str:
@@ -731,7 +824,7 @@ def _blocks_text(bounds: _QuantileRatioBounds) -> str:
         f"canary {_deff_text(bounds.deff[1])} over {bounds.blocks[0]}/{bounds.blocks[1]} blocks"
         f"{_pairing_text(bounds.pairing)}; "
         f"failed requests as +inf: baseline {bounds.errors[0]}, canary {bounds.errors[1]}."
-    )
+    ) + _dependence_text(bounds)
     if bounds.tie_widened:
         text += " Ties: bounds widened to the neighbouring distinct values."
     return text
@@ -889,7 +982,8 @@ def _error_rate_result(bounds: _ErrorRateBounds, step: _HolmStep, holm: str, cfg
         look=plan.look,
         detail=(
             f"{reason} Errors {bounds.eb}/{bounds.nb} baseline vs {bounds.ec}/{bounds.nc} "
-            f"canary; Newcombe hybrid score bounds, upper at alpha {_level_text(cfg.alpha)}, look "
+            f"canary; Newcombe hybrid score bounds on counts divided by each arm's error-count design effect over "
+            f"the looks (bursts: baseline {bounds.deff[0]:.2f}, canary {bounds.deff[1]:.2f}), upper at alpha {_level_text(cfg.alpha)}, look "
             f"{plan.boundary_look}/{plan.planned}.{holm}{plan.note}"
         ),
     )

@@ -124,6 +124,11 @@ __all__ = [
     "quantile_block_sums",
     "design_effect_of_block_sums",
     "paired_block_variance_factor",
+    "paired_look_series",
+    "drift_long_run_variance",
+    "drift_critical_value",
+    "lag_one_autocorrelation",
+    "count_design_effect",
     "dense_block_index",
     "tie_groups",
     "welch_df",
@@ -428,7 +433,7 @@ def _t_upper_quantile(level: float, df: float) -> float:
 
 
 def block_rank_band(
-    n: int, q: float, level: float, deff: float, n_blocks: int, df: float | None = None
+    n: int, q: float, level: float, deff: float, n_blocks: int, df: float | None = None, critical: float | None = None
 ) -> tuple[int, int]:
     """Ranks (l, u) of the block-robust band: the wider of the exact band and Woodruff's.
 
@@ -437,13 +442,18 @@ def block_rank_band(
     cluster variance is estimated from G block sums; a ratio of two arms may
     pass the Welch-Satterthwaite df of the pair, `welch_df`). Taking the
     wider of it and the exact binomial band keeps it never narrower than iid.
-    Fewer than 2 blocks: no band (0, n + 1).
+    Fewer than 2 blocks: no band (0, n + 1). ``critical``, when given, replaces the t
+    quantile (the drift-robust law of blocks that are time-ordered looks).
     """
     l_exact, u_exact = exact_rank_band(n, q, level)
     if n_blocks < 2 or not math.isfinite(deff) or level <= 0.0:
         return 0, n + 1
-    df = float(n_blocks - 1) if df is None else max(float(df), 1.0)
-    half = _t_upper_quantile(level, round(df, 2)) * math.sqrt(max(deff, 0.0) * n * q * (1.0 - q))
+    if critical is None:
+        df = float(n_blocks - 1) if df is None else max(float(df), 1.0)
+        critical = _t_upper_quantile(level, round(df, 2))
+    if not math.isfinite(critical):
+        return 0, n + 1
+    half = critical * math.sqrt(max(deff, 0.0) * n * q * (1.0 - q))
     l_block = int(math.floor(n * q - half))
     u_block = int(math.ceil(n * q + half)) + 1
     return min(l_exact, l_block), max(u_exact, u_block)
@@ -584,6 +594,123 @@ def paired_block_variance_factor(
     return g / (g - 1) * float(np.sum((a - b) ** 2)) / own
 
 
+def paired_look_series(
+    ids_a: np.ndarray, sums_a: np.ndarray, scale_a: float, ids_b: np.ndarray, sums_b: np.ndarray, scale_b: float
+) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """(arm a's, arm b's, the contrast b - a) share of the log quantiles' error per look, in look order.
+
+    Arguments as `paired_block_variance_factor`; a look one arm lacks counts 0 for it.
+    """
+    ids = np.union1d(ids_a, ids_b)
+    a = np.zeros(ids.size)
+    b = np.zeros(ids.size)
+    a[np.searchsorted(ids, ids_a)] = scale_a * sums_a
+    b[np.searchsorted(ids, ids_b)] = scale_b * sums_b
+    return a, b, b - a
+
+
+def drift_long_run_variance(series: np.ndarray) -> np.ndarray:
+    """Long-run variance of the sum of a time-ordered series (last axis), robust to dependence across it.
+
+    The Bartlett-kernel HAC estimator with the bandwidth the whole series
+    (Kiefer, Vogelsang & Bunzel 2000, "Simple robust testing of regression
+    hypotheses", Econometrica 68:695-714): sum_l (1 - |l|/G) sum_t u_t u_t+l of the
+    demeaned series, equal to (2 / G) sum_t S_t^2 over its partial sums S_t, here
+    times 3 G^2 / (G^2 - 1) so that it is on the scale of the sum of squares that
+    treats the looks as independent (both have mean G sigma^2 for independent looks).
+    Every autocovariance enters, so a level that persists across looks widens the
+    interval instead of hiding in G independent-looking blocks; its null law is
+    not a t: `drift_critical_value` gives the critical values.
+    """
+    x = np.asarray(series, dtype=float)
+    g = x.shape[-1]
+    u = x - x.mean(axis=-1, keepdims=True)
+    partial = np.cumsum(u, axis=-1)[..., :-1]
+    return 2.0 / g * np.sum(partial**2, axis=-1) * (3.0 * g * g / max(g * g - 1, 1))
+
+
+def lag_one_autocorrelation(series: np.ndarray) -> float:
+    """The lag-1 autocorrelation of a time-ordered series (NaN with fewer than 3 points or no variance)."""
+    x = np.asarray(series, dtype=float).ravel()
+    if x.size < 3:
+        return float("nan")
+    u = x - x.mean()
+    denominator = float(np.sum(u**2))
+    return float(np.sum(u[1:] * u[:-1]) / denominator) if denominator > 0.0 else float("nan")
+
+
+def count_design_effect(events_per_block: np.ndarray, trials_per_block: np.ndarray) -> float:
+    """Variance of an event count (errors) over blocks (looks), cluster-robust over binomial; at least 1.
+
+    Errors come in bursts (a stalled replica times out everything in flight at once): a burst
+    of B errors in one look is one piece of evidence, not B. Cluster-robust with G / (G - 1)
+    over the blocks with trials; 1 with fewer than 2 such blocks or no events (nothing to
+    measure a burst by: the binomial count).
+    """
+    events = np.asarray(events_per_block, dtype=float).ravel()
+    trials = np.asarray(trials_per_block, dtype=float).ravel()
+    keep = trials > 0
+    events, trials = events[keep], trials[keep]
+    g, n, k = events.size, float(trials.sum()), float(events.sum())
+    if g < 2 or k <= 0.0 or k >= n:
+        return 1.0
+    p = k / n
+    clustered = g / (g - 1) * float(np.sum((events - p * trials) ** 2))
+    return max(1.0, clustered / (n * p * (1.0 - p)))
+
+
+# Critical values of t = G mean / sqrt(drift_long_run_variance) at one-sided levels, by simulation.
+_DRIFT_LEVELS = np.array([0.4, 0.25, 0.15, 0.1, 0.05, 0.025, 0.01, 0.005, 0.0025, 0.001, 0.0005, 0.00025])
+_DRIFT_DRAWS = 400_000  # both tails pooled: 800,000 per law, >= 200 beyond the smallest level
+_DRIFT_CHUNK = 50_000
+
+
+@lru_cache(maxsize=256)
+def _drift_null_quantiles(g: int, rho: float) -> np.ndarray:
+    """Upper quantiles (at `_DRIFT_LEVELS`) of t over G looks of a stationary AR(1) series with lag-1
+    correlation ``rho`` (0: independent looks). A fixed seed per (G, rho): every process, the controller's
+    and each calibration worker's, gets the very same critical values."""
+    rng = np.random.default_rng([20261207, g, int(round(rho * 1000))])
+    draws = []
+    innovation_sd = math.sqrt(1.0 - rho * rho)
+    for _ in range(_DRIFT_DRAWS // _DRIFT_CHUNK):
+        e = rng.standard_normal((_DRIFT_CHUNK, g))
+        for t in range(1, g):
+            e[:, t] = rho * e[:, t - 1] + innovation_sd * e[:, t]
+        lrv = drift_long_run_variance(e)
+        t_stat = e.sum(axis=1) / np.sqrt(np.maximum(lrv, 1e-300))
+        draws.append(t_stat)
+        draws.append(-t_stat)
+    pooled = np.concatenate(draws)
+    return np.quantile(pooled, 1.0 - _DRIFT_LEVELS)
+
+
+@lru_cache(maxsize=4096)
+def drift_critical_value(level: float, looks: int, correlation: float) -> float:
+    """One-sided critical value at ``level`` of the drift-robust t over ``looks`` paired looks.
+
+    The largest over look-to-look correlations 0 .. ``correlation`` of an AR(1) level, so a
+    gate holds its level for any such dependence (the worst case is the pure AR(1) series;
+    sampling noise inside a look only lowers the correlation the looks see). Levels below
+    the simulated ones extend the tail as a power law through its last two points (the
+    statistic's tail is polynomial, as a t's), which errs toward wider bounds there.
+    """
+    if looks < 2:
+        return math.inf
+    if level >= 0.5:
+        return 0.0
+    grid = (0.0,) if correlation <= 0.0 else (0.0, correlation / 2.0, correlation)
+    quantiles = np.max([_drift_null_quantiles(int(looks), round(float(rho), 3)) for rho in grid], axis=0)
+    log_levels, log_values = np.log(_DRIFT_LEVELS), np.log(np.maximum(quantiles, 1e-12))
+    x = math.log(max(level, 1e-300))
+    if x <= log_levels[-1]:  # past the simulated tail: a power law through the last two points
+        slope = (log_values[-1] - log_values[-2]) / (log_levels[-1] - log_levels[-2])
+        return float(math.exp(log_values[-1] + slope * (x - log_levels[-1])))
+    if x >= log_levels[0]:
+        return float(quantiles[0])
+    return float(math.exp(np.interp(x, log_levels[::-1], log_values[::-1])))
+
+
 @dataclass(frozen=True)
 class QuantileBand:
     """One arm's q-quantile with its one-sided bounds at one level (log scale).
@@ -628,6 +755,7 @@ def quantile_band(
     n_blocks: int | None = None,
     df: float | None = None,
     distinct: np.ndarray | None = None,
+    critical: float | None = None,
 ) -> QuantileBand:
     """The q-quantile of one arm and its one-sided bounds at ``level``, from its sorted samples.
 
@@ -640,7 +768,8 @@ def quantile_band(
     outwards (past the last one: one resolution step, the smallest gap), since
     the latent latency of a tied value may lie anywhere in its tick.
     ``distinct``: the distinct finite values, when the caller has them (an arm's
-    bands at several levels share them), else computed here.
+    bands at several levels share them), else computed here. ``critical``: the
+    block-robust band's critical value in place of t's (`drift_critical_value`).
     """
     y = np.asarray(sorted_values, dtype=float)
     n = int(y.size)
@@ -658,7 +787,7 @@ def quantile_band(
     if n_blocks is None:
         l, u = exact_rank_band(n, float(q), float(level))
     else:
-        l, u = block_rank_band(n, float(q), float(level), float(deff), int(n_blocks), df)
+        l, u = block_rank_band(n, float(q), float(level), float(deff), int(n_blocks), df, critical)
     lower = float(y[l - 1]) if 1 <= l <= n else 0.0
     upper = float(y[u - 1]) if 1 <= u <= n else math.inf
     finite_mask = np.isfinite(y)
