@@ -54,6 +54,12 @@ class PromptSource(Protocol):
     def prompt(self, index: int) -> Prompt: ...
 
 
+# Bounds on what a dataset or a length may ask for: a request of more tokens than any model's
+# context (1e7 words would build a 60 MB prompt per request), and a file larger than a load
+# test needs in memory (each file is read whole, then sampled), are refused with their name.
+MAX_REQUEST_TOKENS = 1 << 20
+MAX_DATASET_BYTES = 1 << 30
+MAX_LINE_BYTES = 16 << 20
 _DISTRIBUTION = re.compile(r"^(?:(?P<kind>fixed|uniform|normal|lognormal):)?(?P<args>[0-9.:]+)$")
 
 
@@ -80,6 +86,8 @@ class LengthDistribution:
             raise ValueError(f"{kind} length distribution takes {expected} number(s): {spec!r}")
         if any(n < 0 for n in numbers) or (kind != "normal" and numbers[0] <= 0):
             raise ValueError(f"length distribution needs positive numbers: {spec!r}")
+        if any(not math.isfinite(n) or n > MAX_REQUEST_TOKENS for n in numbers):
+            raise ValueError(f"length distribution beyond {MAX_REQUEST_TOKENS} tokens: {spec!r}")
         if kind == "uniform" and numbers[1] < numbers[0]:
             raise ValueError(f"uniform length distribution needs low <= high: {spec!r}")
         return cls(kind, numbers[0], numbers[1] if expected == 2 else 0.0)  # type: ignore[arg-type]
@@ -93,7 +101,7 @@ class LengthDistribution:
             value = rng.gauss(self.a, self.b)
         else:
             value = rng.lognormvariate(math.log(self.a), self.b)
-        return max(1, round(value))
+        return max(1, min(MAX_REQUEST_TOKENS, round(min(value, MAX_REQUEST_TOKENS))))
 
     def __str__(self) -> str:
         if self.kind == "fixed":
@@ -258,9 +266,18 @@ class TraceRow:
 
 
 def _positive_int(value: Any, where: str, field: str) -> int:
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or value != int(value) or value < 1:
-        raise ValueError(f"{where}: {field} must be a positive integer, got {value!r}")
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) \
+            or value != int(value) or value < 1:
+        raise ValueError(f"{where}: {field} must be a positive integer, got {str(value)[:40]}")
+    if value > MAX_REQUEST_TOKENS:
+        raise ValueError(f"{where}: {field} {value:g} is beyond {MAX_REQUEST_TOKENS} tokens")
     return int(value)
+
+
+def _check_size(path: Path) -> None:
+    size = path.stat().st_size
+    if size > MAX_DATASET_BYTES:
+        raise ValueError(f"{path}: {size} bytes, beyond the {MAX_DATASET_BYTES} a dataset may hold (each is read whole)")
 
 
 def _timestamp(value: Any, where: str, field: str) -> float:
@@ -291,6 +308,7 @@ def load_trace(path: str | Path, trace_format: TraceFormat = "jsonl") -> list[Tr
     path = Path(path)
     if not path.is_file():
         raise ValueError(f"trace file not found: {path}")
+    _check_size(path)
     rows: list[TraceRow] = []
     if trace_format == "burstgpt":
         with open(path, encoding="utf-8", newline="") as text:
@@ -302,13 +320,14 @@ def load_trace(path: str | Path, trace_format: TraceFormat = "jsonl") -> list[Tr
                 where = f"{path}:{number}"
                 try:
                     at = float(row["Timestamp"])
-                    n_in, n_out = int(float(row["Request tokens"])), int(float(row["Response tokens"]))
+                    n_in, n_out = float(row["Request tokens"]), float(row["Response tokens"])
                 except (TypeError, ValueError):
                     raise ValueError(f"{where}: Timestamp, Request tokens and Response tokens must be numbers") from None
                 if n_out < 1:
                     continue  # a request that failed in the log: nothing to ask for
                 rows.append(TraceRow(_timestamp(at, where, "Timestamp"), _positive_int(n_in, where, "Request tokens"),
-                                     n_out))
+                                     _positive_int(math.floor(n_out) if math.isfinite(n_out) else n_out, where,
+                                                   "Response tokens")))
     elif trace_format in ("jsonl", "mooncake"):
         for number, row in enumerate(_read_jsonl(path), start=1):
             where = f"{path}:{number}"
@@ -421,9 +440,12 @@ class _ShuffledItems:
 
 
 def _read_jsonl(path: Path) -> list[dict[str, Any]]:
+    _check_size(path)
     rows: list[dict[str, Any]] = []
     with open(path, encoding="utf-8") as lines:
-        for number, line in enumerate(lines, start=1):
+        for number, line in enumerate(iter(lambda: lines.readline(MAX_LINE_BYTES + 1), ""), start=1):
+            if len(line) > MAX_LINE_BYTES:
+                raise ValueError(f"{path}:{number}: a line longer than {MAX_LINE_BYTES} characters")
             if not line.strip():
                 continue
             try:
@@ -472,8 +494,9 @@ class JsonlPrompts:
         prompts: list[Prompt] = []
         for number, row in enumerate(rows, start=1):
             max_tokens = row.get("max_tokens")
-            if max_tokens is not None and (not isinstance(max_tokens, int) or max_tokens < 1):
-                raise ValueError(f"{path}: item {number}: max_tokens must be a positive integer")
+            if max_tokens is not None and (not isinstance(max_tokens, int) or isinstance(max_tokens, bool)
+                                           or not 1 <= max_tokens <= MAX_REQUEST_TOKENS):
+                raise ValueError(f"{path}: item {number}: max_tokens must be an integer from 1 to {MAX_REQUEST_TOKENS}")
             if isinstance(row.get("prompt"), str):
                 prompts.append(Prompt(index=-1, text=row["prompt"], max_tokens=max_tokens))
             elif isinstance(row.get("messages"), list) and all(isinstance(m, dict) for m in row["messages"]):

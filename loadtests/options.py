@@ -57,7 +57,7 @@ class TrafficOptions(BaseModel):
         "mooncake or burstgpt"
     )
     trace_speedup: float = Field(1.0, gt=0, description="trace: replay this many times faster than recorded")
-    max_tokens: int = Field(128, ge=1, description="max_tokens of each request (datasets without their own)")
+    max_tokens: int = Field(128, ge=1, le=1 << 20, description="max_tokens of each request (datasets without their own)")
     ignore_eos: bool = Field(False, description="send ignore_eos (always on for synthetic: exact output lengths)")
     endpoint: Endpoint = Field("completions", description="completions (/v1/completions) or chat (/v1/chat/completions)")
     model: str | None = Field(None, description="model name (default: the first one /v1/models lists)")
