@@ -81,6 +81,8 @@ def _candidates(doc: dict[str, Any]) -> list[str]:
         ratio = next((g["estimate"] for g in c["gates"] if g["name"] == OBJECTIVE_NAME), None)
         lines.append(f"| {c['name']} | {c['speculative_tokens']} | {_num(c['alpha'], 4)} | **{c['decision']}** | "
                      f"{_num(ratio)} | {c['reason']} |")
+    if doc.get("winner_note"):
+        lines += ["", f"Note: {doc['winner_note']}"]
     for c in candidates:
         lines += ["", f"### {c['name']}: gates", ""] + _gate_table(c["gates"])
     return lines

@@ -148,7 +148,8 @@ def _candidates(doc: dict[str, Any], run_dir: Path) -> list[str]:
     return [f'<h2 id="candidates">Candidates (winner: {_esc(doc.get("winner") or "none")})</h2>',
             _note("Each candidate is judged against the baseline at alpha / K (Bonferroni); the winner has the lowest "
                   "TPOT p50 ratio among those that passed (within 2%: the one drafting fewer tokens)."),
-            _table(["candidate", "draft tokens", "alpha", "TPOT p50 ratio", "why", "verdict"], rows, 5)]
+            _table(["candidate", "draft tokens", "alpha", "TPOT p50 ratio", "why", "verdict"], rows, 5)] + (
+        [_note(doc["winner_note"])] if doc.get("winner_note") else [])
 
 
 def _gates(doc: dict[str, Any], run_dir: Path) -> list[str]:

@@ -268,6 +268,9 @@ class RunResult:
     # earlier runs of the same comparison (rollout.phases.setup.attempts_note): number, alpha spent together,
     # the INCONCLUSIVE ones; None for a first attempt (decision.json then leaves the key out)
     attempts: dict[str, Any] | None = None
+    # several candidates: how far choosing the lowest of K ratios may have flattered the winner's
+    # (rollout.judge.selection); None otherwise (decision.json then leaves the key out)
+    winner_note: str | None = None
 
     @property
     def exit_code(self) -> int:
@@ -307,6 +310,7 @@ class RunResult:
             detectable_effect=({g: DetectableEffect.model_validate(e) for g, e in doc["detectable_effect"].items()}
                                if doc.get("detectable_effect") is not None else None),
             attempts=doc.get("attempts"),
+            winner_note=doc.get("winner_note"),
         )
 
 
@@ -349,6 +353,8 @@ def decision_document(result: RunResult) -> dict[str, Any]:
         doc["detectable_effect"] = {g: e.model_dump(mode="json") for g, e in result.detectable_effect.items()}
     if result.attempts is not None:
         doc["attempts"] = result.attempts
+    if result.winner_note is not None:
+        doc["winner_note"] = result.winner_note
     if result.candidates is not None:
         doc["candidates"] = [c.model_dump(mode="json") for c in result.candidates]
         doc["winner"] = result.winner

@@ -3,12 +3,15 @@
 the sweep and the decision. From then on the winner's replicas are the canary's: the sweep, the
 router's canary weight, the progressive phase, the stable mark and promoted.yaml are the
 winner's, and the losers' replicas are stopped. Without a winner the seat stays empty and the
-run rolls back (every candidate did) or is inconclusive."""
+run rolls back (every candidate did) or is inconclusive. The winner's ratio, the lowest of K
+estimates, comes with a winner's-curse note (rollout.judge.selection)."""
 
 from __future__ import annotations
 
 from cluster.arms import BASELINE, CANARY
 from rollout.judge.candidates import CandidateResult, candidate_gates, choose_winner
+from rollout.judge.names import OBJECTIVE_NAME
+from rollout.judge.selection import winners_curse_note
 from rollout.judge.verdicts import Decision, decide
 from rollout.result import CandidateSummary
 from rollout.run_context import RunContext
@@ -47,7 +50,15 @@ def choose_now(ctx: RunContext) -> None:
     take_the_seat(ctx, choice.winner)
     ctx.result.winner = choice.winner
     # the winner's gates are the run's: the sweep (on the winner) and the decision follow as for one canary
-    ctx.result.gates += results[[r.name for r in results].index(choice.winner)].gates
+    won = results[[r.name for r in results].index(choice.winner)]
+    ctx.result.gates += won.gates
+    # its ratio is the lowest of K estimates: say how far that selection may have flattered it
+    objective = next((g for g in won.gates if g.name == OBJECTIVE_NAME), None)
+    note = winners_curse_note(choice.winner, objective.estimate if objective else None,
+                              objective.interval if objective else None, len(results), share.alpha)
+    if note is not None:
+        ctx.result.winner_note = note
+        ctx.say(f"candidates: {note}")
 
 
 def lost_candidates(ctx: RunContext) -> frozenset[str]:
