@@ -21,8 +21,9 @@ What the replay knows, and from where:
 * acceptance: the canary's records' own per-request counters up to each look, where
   they carry them (a run whose servers had --per-request-spec-decode-metrics: the look
   judged as the run judged it); else decision.json's canary spec-decode counters (the
-  phase's final ones, at every look); else none, so acceptance is INCONCLUSIVE unless
-  gates.enabled leaves acceptance_length_floor out;
+  phase's final ones, at every look: server counters, on which the request-clustered
+  floor cannot pass); else none, so acceptance is INCONCLUSIVE unless gates.enabled
+  leaves acceptance_length_floor out;
 * prefix cache: the run directory's decision.json counters at each of its looks (each
   arm's prefix-cache hits and queried prompt tokens), when the looks fall where the
   run's did; else none, so an enabled prefix_cache_guard is INCONCLUSIVE (records
