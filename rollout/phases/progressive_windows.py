@@ -33,6 +33,7 @@ from dataclasses import dataclass, field
 
 from cluster.arms import BASELINE, CANARY
 from cluster.load_runner import LoadRunnerHandle
+from cluster.router import ROUTER_WATCH_NAME
 from cluster.metrics import MetricsSnapshot, SpecDecodeStats, spec_decode_delta
 from loadtests.records import RecordsTail, RequestRecord
 from loadtests.swarm import SwarmError
@@ -41,6 +42,7 @@ from rollout.judge.request_acceptance import spec_decode_of_requests
 from rollout.judge.verdicts import GateResult, Verdict
 from rollout.phases.progressive_context import ProgressiveContext
 from rollout.resume import PROGRESSIVE as PHASE
+from rollout.run_context import InfrastructureError
 
 TICK_S = 0.25  # the loop's heartbeat: commands, health, records
 SHIP_GRACE_S = 1.5  # workers ship records every 1 s: a window closes this long after its end
@@ -143,6 +145,12 @@ class WindowRunner:
         for name in self.ctx.replica_arms:
             if name in alive:
                 self.dead_streak[name] = 0 if alive[name] else self.dead_streak.get(name, 0) + 1
+        # the router's actor gone: no request reaches either arm and the windows judge nothing (seen: 0
+        # requests a window for the whole bake): where the traffic is, is unknown, so no verdict
+        router_down = alive.get(ROUTER_WATCH_NAME) is False
+        self.dead_streak[ROUTER_WATCH_NAME] = self.dead_streak.get(ROUTER_WATCH_NAME, 0) + 1 if router_down else 0
+        if self.dead_streak[ROUTER_WATCH_NAME] >= DEAD_CONFIRMATIONS:
+            raise InfrastructureError(f"{PHASE}: router died (its actor is gone): no verdict on the steps")
 
     def canary_alive(self) -> bool:
         return not any(

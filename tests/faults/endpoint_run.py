@@ -20,23 +20,27 @@ import yaml
 
 from tests.conftest import REPO
 
+# a weight hook that appends each weight to a file; a gateway slow to answer the way back to 0
+# (MTP_CANARY_TEST_HOOK_SLEEP_AT_0 seconds, after the weight is written)
 HOOK = """\
-import os, sys
+import os, sys, time
 with open(sys.argv[2], "a") as f:
     f.write(sys.argv[1] + "\\n")
+if sys.argv[1] == "0":
+    time.sleep(float(os.environ.get("MTP_CANARY_TEST_HOOK_SLEEP_AT_0", "0")))
 """
 # the last line of every run's log (rollout.cli): what `mtp-canary submit` and a pipeline read
 FINAL_LINE = "mtp-canary: exit_code="
 
 
 def run_config(tmp_path: Path, baseline_url: str, canary_url: str, *, hook: bool = True, progressive: bool = False,
-               requests_per_arm: int = 2000, **extra: Any) -> Path:
+               requests_per_arm: int = 2000, engine_startup_s: float = 30, **extra: Any) -> Path:
     """A run config over two servers that already run; a weight hook appending each weight to hook.log."""
     data: dict[str, Any] = {
         "name": "fault",
         "accuracy": {"enabled": False},
-        "baseline": {"endpoints": [baseline_url], "engine": {"model": "stream-target", "startup_timeout_s": 30}},
-        "canary": {"endpoints": [canary_url], "engine": {"model": "stream-target", "startup_timeout_s": 30}},
+        "baseline": {"endpoints": [baseline_url], "engine": {"model": "stream-target", "startup_timeout_s": engine_startup_s}},
+        "canary": {"endpoints": [canary_url], "engine": {"model": "stream-target", "startup_timeout_s": engine_startup_s}},
         "experiment": {"requests_per_look": 40, "requests_per_arm": requests_per_arm, "window_s": 1, "min_looks": 1,
                        "max_duration_s": 600, "users_per_replica": 2, "max_tokens": 8, "input_tokens": "8",
                        "workers": 1, "worker_placement": "local"},
@@ -68,11 +72,12 @@ def hook_weights(tmp_path: Path) -> list[str]:
 class CliRun:
     """`mtp-canary run CONFIG` in a session of its own, its output in a file."""
 
-    def __init__(self, tmp_path: Path, config: Path, run_id: str = "f1", args: tuple[str, ...] = (),
-                 runs_dir: Path | None = None, env: dict[str, str] | None = None, command: str = "run") -> None:
+    def __init__(self, tmp_path: Path, config: Path | None, run_id: str = "f1", args: tuple[str, ...] = (),
+                 runs_dir: Path | None = None, env: dict[str, str] | None = None, command: str = "run",
+                 log_name: str | None = None) -> None:
         self.runs = runs_dir or tmp_path / "runs"
         self.run_id = run_id
-        self.log = tmp_path / f"{run_id}-{command}.log"
+        self.log = tmp_path / f"{log_name or f'{run_id}-{command}'}.log"
         argv = ([sys.executable, "-m", "rollout", "run", str(config), "--runs-dir", str(self.runs), "--run-id", run_id,
                  "--ray-address", "local", *args] if command == "run" else
                 [sys.executable, "-m", "rollout", command, run_id, "--runs-dir", str(self.runs), *args])
