@@ -1,0 +1,142 @@
+"""A full disk under the runs directory, before and after the decision is committed: the store,
+decision.json, the final line, the exit code and the webhook agree, the weight hook ends at 0 on an
+error, and no temporary file is left.
+
+A real small tmpfs (needs the right to mount: root, as in the CI container), the real controller
+around stand-in phases, the CLI's own end (`_drive`), a real webhook receiver on loopback.
+"""
+
+from __future__ import annotations
+
+import errno
+import json
+import subprocess
+import sys
+import threading
+from http.server import BaseHTTPRequestHandler, HTTPServer
+
+import pytest
+
+from rollout import cli
+from rollout import controller as controller_module
+from rollout.config import WeightHookConfig, load_config
+from rollout.controller import Controller
+from rollout.store import RunStore
+from tests.conftest import REPO
+from tests.faults.endpoint_run import HOOK
+from tests.test_controller import Promotes
+
+
+@pytest.fixture
+def small_disk(tmp_path):
+    mount = tmp_path / "runs"
+    mount.mkdir()
+    done = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=4m", "tmpfs", str(mount)], capture_output=True)
+    if done.returncode != 0:
+        pytest.skip(f"cannot mount a small tmpfs here: {done.stderr.decode().strip()[:200]}")
+    try:
+        yield mount
+    finally:
+        subprocess.run(["umount", "-l", str(mount)], check=False)
+
+
+def fill(directory) -> None:
+    """Write a ballast file until the filesystem is full."""
+    with open(directory / "ballast", "wb") as f:
+        try:
+            while True:
+                f.write(b"\0" * 65536)
+                f.flush()
+        except OSError as exc:
+            assert exc.errno == errno.ENOSPC
+
+
+@pytest.fixture
+def webhook():
+    bodies: list[dict] = []
+
+    class Receiver(BaseHTTPRequestHandler):
+        def do_POST(self):  # noqa: N802 - http.server's name
+            bodies.append(json.loads(self.rfile.read(int(self.headers["Content-Length"]))))
+            self.send_response(200)
+            self.end_headers()
+
+        def log_message(self, *args):
+            pass
+
+    server = HTTPServer(("127.0.0.1", 0), Receiver)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    yield f"http://127.0.0.1:{server.server_address[1]}/hook", bodies
+    server.shutdown()
+
+
+class FillsTheDisk:
+    name = "progressive"
+
+    def __init__(self, directory) -> None:
+        self.directory = directory
+
+    def enabled(self, ctx) -> bool:
+        return True
+
+    def run(self, ctx) -> None:
+        fill(self.directory)
+
+
+def controller(tmp_path, runs, url, monkeypatch, *phases) -> Controller:
+    script = tmp_path / "hook.py"
+    script.write_text(HOOK)
+    config = load_config(REPO / "configs/local-cpu.yaml").model_copy(update={
+        "weight_hook": WeightHookConfig(command=[sys.executable, str(script), "{weight}", str(tmp_path / "hook.log")]),
+        "webhook_url": url})
+    monkeypatch.setattr(controller_module, "PHASES", phases)
+    return Controller(config, runs_dir=runs, run_id="r1", progress=print)
+
+
+def final_line(out: str) -> str:
+    return [line for line in out.splitlines() if line.startswith("mtp-canary: exit_code=")][-1]
+
+
+def test_a_full_disk_before_the_decision_commit_is_an_error_in_every_record(
+        tmp_path, small_disk, webhook, monkeypatch, capsys):
+    url, bodies = webhook
+    code = cli._drive(controller(tmp_path, small_disk, url, monkeypatch, Promotes(), FillsTheDisk(small_disk)))
+    out = capsys.readouterr()
+    assert code == 1
+    assert final_line(out.out) == f"mtp-canary: exit_code=1 decision=error run_dir={small_disk / 'r1'}"
+    assert "mtp-canary: error: the run's end could not be recorded: OSError: [Errno 28] No space left on device" in out.err
+    store = RunStore(small_disk / "history.db")
+    run = store.run("r1")
+    assert run["decision"] is None and run["status"] != "done"  # error, or running under a gone controller
+    assert store.stable(run["model"]) is None
+    decision = small_disk / "r1" / "decision.json"
+    assert not decision.exists() or json.loads(decision.read_text())["exit_code"] == 1
+    assert [(b["decision"], b["exit_code"]) for b in bodies] == [(None, 1)]
+    assert "No space left on device" in bodies[0]["error"]
+    assert (tmp_path / "hook.log").read_text().split()[-1:] == ["0"]
+    assert not list((small_disk / "r1").glob(".*.tmp-*"))
+
+
+def test_a_full_disk_after_the_decision_commit_keeps_the_decision_everywhere(
+        tmp_path, small_disk, webhook, monkeypatch, capsys):
+    url, bodies = webhook
+    real = controller_module.RunStore.finish_run
+
+    def finish_then_full(self, *args, **kwargs):
+        real(self, *args, **kwargs)
+        fill(small_disk)
+
+    monkeypatch.setattr(controller_module.RunStore, "finish_run", finish_then_full)
+    code = cli._drive(controller(tmp_path, small_disk, url, monkeypatch, Promotes()))
+    out = capsys.readouterr()
+    assert code == 0
+    assert final_line(out.out) == f"mtp-canary: exit_code=0 decision=promote run_dir={small_disk / 'r1'}"
+    store = RunStore(small_disk / "history.db")
+    run = store.run("r1")
+    assert (run["status"], run["decision"], run["exit_code"]) == ("done", "promote", 0)
+    assert store.stable(run["model"])["run_id"] == "r1"
+    assert json.loads((small_disk / "r1" / "decision.json").read_text())["decision"] == "promote"
+    assert [(b["decision"], b["exit_code"]) for b in bodies] == [("promote", 0)]
+    assert "report: the reports beside decision.json not written" in out.out
+    assert not (tmp_path / "hook.log").exists()  # a decided run's weights are the phases' own
+    assert not list((small_disk / "r1").glob(".*.tmp-*"))
