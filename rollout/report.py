@@ -30,7 +30,8 @@ def _num(value: Any, digits: int = 3) -> str:
 def markdown_report(doc: dict[str, Any]) -> str:
     """report.md: decision.json for people, section by section."""
     lines: list[str] = []
-    for section in (_arms, _candidates, _gates, _spec_decode, _latency, _sweep, _progressive, _accuracy, _engine_warnings, _timeline):
+    for section in (_arms, _candidates, _gates, _plan, _spec_decode, _latency, _sweep, _progressive, _accuracy, _engine_warnings,
+                    _timeline):
         lines += section(doc)
     return "\n".join(lines) + "\n"
 
@@ -85,6 +86,23 @@ def _candidates(doc: dict[str, Any]) -> list[str]:
         lines += ["", f"Note: {doc['winner_note']}"]
     for c in candidates:
         lines += ["", f"### {c['name']}: gates", ""] + _gate_table(c["gates"])
+    return lines
+
+
+def _plan(doc: dict[str, Any]) -> list[str]:
+    """What the plan could decide (decision.json detectable_effect) and earlier attempts at the comparison."""
+    effects, attempts = doc.get("detectable_effect") or {}, doc.get("attempts")
+    if not effects and not attempts:
+        return []
+    lines = ["", "## What the plan could decide", ""]
+    lines += [f"- {e['text']}" for e in effects.values()]
+    lines += [f"- **Warning**: {e['warning']}" for e in effects.values() if e.get("warning")]
+    if attempts:
+        inconclusive = attempts.get("inconclusive_before") or []
+        lines += ["", f"Attempt {attempts['number']} at this comparison (arms {attempts['comparison']})"
+                  + (f", judged INCONCLUSIVE before in {', '.join(inconclusive)}" if inconclusive else "")
+                  + f": the attempts together bound a false promote by {attempts['alpha_spent_together']:g} "
+                  "(the sum of their alphas)."]
     return lines
 
 

@@ -152,6 +152,21 @@ def _candidates(doc: dict[str, Any], run_dir: Path) -> list[str]:
         [_note(doc["winner_note"])] if doc.get("winner_note") else [])
 
 
+def _plan(doc: dict[str, Any], run_dir: Path) -> list[str]:
+    """What the plan could decide (detectable_effect) and earlier attempts at the comparison (attempts)."""
+    effects, attempts = doc.get("detectable_effect") or {}, doc.get("attempts")
+    if not effects and not attempts:
+        return []
+    out = ['<h2 id="plan">What the plan could decide</h2>']
+    out += [_note(e["text"]) for e in effects.values()]
+    out += [_note(f"Warning: {e['warning']}") for e in effects.values() if e.get("warning")]
+    if attempts:
+        out.append(_note(f"Attempt {attempts['number']} at this comparison; the attempts together bound a false promote "
+                         f"by {attempts['alpha_spent_together']:g}; INCONCLUSIVE before: "
+                         f"{', '.join(attempts.get('inconclusive_before') or []) or 'none'}."))
+    return out
+
+
 def _gates(doc: dict[str, Any], run_dir: Path) -> list[str]:
     gates = doc.get("gates") or []
     if not gates:
@@ -485,7 +500,7 @@ def _arms_section(doc: dict[str, Any], run_dir: Path) -> list[str]:
 
 
 SECTIONS: tuple[Callable[[dict[str, Any], Path], list[str]], ...] = (
-    _decision, _candidates, _gates, _looks, _latency, _acceptance, _sweep, _accuracy, _progressive, _engine_warnings, _arms_section,
+    _decision, _candidates, _gates, _plan, _looks, _latency, _acceptance, _sweep, _accuracy, _progressive, _engine_warnings, _arms_section,
 )
 
 

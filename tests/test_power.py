@@ -7,6 +7,7 @@ rate) or quantiles of simulated bounds (TPOT), and a trial count of 400 cannot t
 
 from __future__ import annotations
 
+import json
 import math
 
 import numpy as np
@@ -188,3 +189,22 @@ def test_plan_and_the_run_say_what_the_plan_can_decide(tmp_path, capsys, monkeyp
                                              "acceptance_length_floor"}
     again = RunResult.from_document(doc, cfg, tmp_path)
     assert again.detectable_effect == ctx.result.detectable_effect
+
+
+def test_the_reports_say_what_the_plan_could_decide_and_the_attempts(tmp_path):
+    from rollout.report import markdown_report
+    from rollout.report_html import html_report
+
+    effect = power.DetectableEffect(gate="accuracy_noninferiority", metric="accuracy_diff", threshold=0.01, sample=1319,
+                                    passed_at=None, failed_at=0.027, power=0.8, decidable=False, assumptions="a",
+                                    text="accuracy: a drop of >= 2.7 points is failed", warning="accuracy_margin 0.01 is below")
+    doc = json.loads((REPO / "tests" / "data" / "recorded_runs" / "promote" / "decision.json").read_text())
+    assert "What the plan could decide" not in markdown_report(doc)
+    doc["detectable_effect"] = {effect.gate: effect.model_dump(mode="json")}
+    doc["attempts"] = {"comparison": "abc", "number": 2, "alpha_spent_together": 0.1, "judged_before": {"a1": "inconclusive"},
+                       "inconclusive_before": ["a1"]}
+    text = markdown_report(doc)
+    assert "## What the plan could decide" in text and "a drop of >= 2.7 points" in text
+    assert "**Warning**: accuracy_margin 0.01 is below" in text and "judged INCONCLUSIVE before in a1" in text
+    page = html_report(doc, tmp_path)
+    assert 'id="plan"' in page and "a drop of &gt;= 2.7 points" in page
