@@ -408,8 +408,14 @@ def _send_command(args: argparse.Namespace) -> int:
         outcome = run["decision"] or run["status"]
         print(f"mtp-canary {command}: run {args.run_id} already finished ({outcome})", file=sys.stderr)
         return EXIT_USAGE
-    store.add_command(args.run_id, command)
-    when = "answers its (next) pause" if command == "promote" else "rolls it back at its next guard check"
+    from rollout.store import CommandRefused
+
+    try:
+        store.add_command(args.run_id, command)
+    except CommandRefused as exc:
+        print(f"mtp-canary {command}: {exc}", file=sys.stderr)
+        return EXIT_USAGE
+    when = "answers its pause" if command == "promote" else "rolls it back at its next guard check"
     print(f"mtp-canary {command}: sent to run {args.run_id} ({when})")
     return 0
 

@@ -93,6 +93,10 @@ ADDED_COLUMNS = (
 COMMANDS = ("promote", "abort")
 
 
+class CommandRefused(ValueError):
+    """A command the run cannot take now (a promote while it is not paused)."""
+
+
 def controller_identity() -> str:
     return f"{socket.gethostname()}:{os.getpid()}"
 
@@ -361,17 +365,45 @@ class RunStore:
 
     # -- commands (`mtp-canary promote|abort RUN_ID`, from any process) ----------
     def add_command(self, run_id: str, command: str) -> None:
-        """Queue `promote` or `abort` for a run; the run takes it with `take_command`."""
+        """Queue `promote` or `abort` for a run; the run takes it with `take_command`.
+
+        A `promote` answers the pause the run is in now (Flagger's confirm-promotion, Argo's promote):
+        sent while it is not paused it is refused (CommandRefused), never queued for a later pause."""
         if command not in COMMANDS:
             raise ValueError(f"unknown command {command!r}; known: {', '.join(COMMANDS)}")
-        self._tx("INSERT INTO commands (run_id, command, time) VALUES (?, ?, ?)", (run_id, command, time.time()))
+        with self._db:
+            self._db.execute("BEGIN IMMEDIATE")  # the pause checked and the command written at one moment
+            try:
+                if command == "promote" and self._paused_since(run_id) is None:
+                    raise CommandRefused(f"run {run_id} is not paused: promote continues a paused step only "
+                                         "(sent now it would approve a later pause)")
+                self._db.execute("INSERT INTO commands (run_id, command, time) VALUES (?, ?, ?)",
+                                 (run_id, command, time.time()))
+                self._db.execute("COMMIT")
+            except BaseException:
+                self._db.execute("ROLLBACK")
+                raise
+
+    def _paused_since(self, run_id: str) -> float | None:
+        """When the run's current pause began (its last progressive pause/resume event is a pause and
+        the run still runs), or None when it is not paused."""
+        run = self._db.execute("SELECT status FROM runs WHERE run_id = ?", (run_id,)).fetchone()
+        last = self._db.execute(
+            "SELECT time, event FROM events WHERE run_id = ? AND phase = 'progressive'"
+            " AND event IN ('pause', 'resume', 'pause_timeout', 'abort', 'done') ORDER BY seq DESC LIMIT 1",
+            (run_id,),
+        ).fetchone()
+        if run is None or run["status"] != "running" or last is None or last["event"] != "pause":
+            return None
+        return float(last["time"])
 
     def take_command(self, run_id: str, accept: Iterable[str] | None = None) -> str | None:
         """The oldest pending command of the run (marked consumed), or None.
 
         With `accept`, only those commands are taken; others stay pending (the
         progressive phase takes `abort` at any time, `promote` only at a pause).
-        Taking is atomic: two readers never get the same command.
+        Taking is atomic: two readers never get the same command. A `promote` sent before the
+        current pause began (or while none was) answers nothing: it is marked consumed, never taken.
         """
         wanted = tuple(accept) if accept is not None else COMMANDS
         if not wanted:
@@ -387,6 +419,13 @@ class RunStore:
         with self._db:
             self._db.execute("BEGIN IMMEDIATE")
             try:
+                if "promote" in wanted:
+                    since = self._paused_since(run_id)
+                    self._db.execute(
+                        "UPDATE commands SET consumed = ? WHERE run_id = ? AND command = 'promote'"
+                        " AND consumed IS NULL AND (? IS NULL OR time < ?)",
+                        (time.time(), run_id, since, since),
+                    )
                 row = self._db.execute(query, (run_id, *wanted)).fetchone()
                 if row is not None:
                     self._db.execute("UPDATE commands SET consumed = ? WHERE seq = ?", (time.time(), row["seq"]))

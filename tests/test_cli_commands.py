@@ -13,7 +13,7 @@ import threading
 import pytest
 
 from rollout.cli import main
-from rollout.store import RunStore
+from rollout.store import CommandRefused, RunStore
 from tests.conftest import REPO
 
 # The runs table as the first version of the store created it (no step / canary_weight).
@@ -258,6 +258,7 @@ def test_each_command_is_taken_exactly_once_by_concurrent_readers(tmp_path):
     db = tmp_path / "history.db"
     RunStore(db).create_run("r", "n", "m", {})
     writer = RunStore(db)
+    writer.add_event("r", "progressive", "pause", "after step 1")  # a promote answers a pause only
     for _ in range(40):
         writer.add_command("r", "promote")
     taken: list[str] = []
@@ -347,3 +348,23 @@ def test_resume_takes_over_from_another_host_only_when_its_heartbeat_is_stale_or
     assert store.run("r-away")["controller"] != "other-host.invalid:77"  # claimed before the controller started
     store.update_run("r-away", controller="other-host.invalid:77", heartbeat_at=None)
     assert main(["resume", "r-away", "--runs-dir", str(runs), "--force"]) == 0 and len(started) == 2
+
+
+def test_a_promote_answers_the_pause_of_that_moment_never_a_later_one(runs, capsys):
+    store = RunStore(runs / "history.db")
+    store.add_event("r-live", "progressive", "resume", "promote command: continuing after step 2")
+    code, _, err = cli(capsys, "promote", "r-live", "--runs-dir", str(runs))  # running, not paused
+    assert code == 2 and err.strip().count("\n") == 0 and "r-live is not paused: promote continues a paused step" in err
+    assert store.commands("r-live") == []
+    with pytest.raises(CommandRefused):
+        store.add_command("r-live", "promote")
+    # one queued at a pause and left there (the pause ended by its timeout) approves nothing later
+    store.add_event("r-live", "progressive", "pause", "after step 3")
+    store.add_command("r-live", "promote")
+    store.add_event("r-live", "progressive", "pause_timeout", "no answer: promote")
+    time.sleep(0.01)
+    store.add_event("r-live", "progressive", "pause", "after step 4")
+    assert store.take_command("r-live", accept=("promote",)) is None
+    assert [c["consumed"] is not None for c in store.commands("r-live")] == [True]
+    code, _, _ = cli(capsys, "promote", "r-live", "--runs-dir", str(runs))  # sent during this pause: taken
+    assert code == 0 and store.take_command("r-live", accept=("promote",)) == "promote"
