@@ -241,7 +241,7 @@ def _cmd_resume(args: argparse.Namespace) -> int:
     from rollout.controller import Controller
     from rollout.store import controller_identity, run_controller_alive
 
-    alive = run_controller_alive(run)
+    alive = run_controller_alive(run, store)  # another host's clock is not trusted: its beats are watched
     if alive or (alive is None and run.get("controller") and not args.force):
         # None: on another host without a fresh heartbeat; two controllers on one fleet tear it down
         how = "alive" if alive else "on another host, cannot tell if it is alive; --force if it is gone"

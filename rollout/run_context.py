@@ -26,7 +26,7 @@ from rollout.config import RolloutConfig
 from rollout.judge.verdicts import Decision, GateResult
 from rollout.result import RunResult
 from rollout.resume import ResumePoint
-from rollout.store import RunStore
+from rollout.store import HEARTBEAT_S, RunStore
 from rollout.weight_hook import WeightHookError, call_weight_hook
 
 Progress = Callable[[str], None]
@@ -77,10 +77,19 @@ class LeaseKeeper:
     def start(self) -> None:
         self.renew()
         interval = max(1.0, self.lease_s / 6)
+        beat_s = min(interval, HEARTBEAT_S)  # a reader on another host watches the beats for two of these
 
         def keep() -> None:
-            while not self._stop.wait(interval):
-                self.renew()
+            renewed = time.monotonic()
+            while not self._stop.wait(beat_s):
+                if time.monotonic() - renewed >= interval - 0.01:
+                    renewed = time.monotonic()
+                    self.renew()
+                elif self._heartbeat is not None:
+                    try:
+                        self._heartbeat()
+                    except Exception:  # a locked or vanished store: the next beat tries again
+                        pass
 
         self._thread = threading.Thread(target=keep, name="lease-keeper", daemon=True)
         self._thread.start()

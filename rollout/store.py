@@ -88,7 +88,17 @@ ADDED_COLUMNS = (
     ("runs", "canary_weight", "REAL"),  # the canary's traffic weight (percent) as last set
     ("runs", "controller", "TEXT"),  # host:pid of the process controlling the run (resume checks it is gone)
     ("runs", "heartbeat_at", "REAL"),  # the controller's last sign of life (time.time()): seen from any host
+    ("runs", "beats", "INTEGER"),  # heartbeats so far: a reader on another host watches it move on its own clock
 )
+
+# the controller beats at least this often (rollout.run_context.LeaseKeeper); a reader that doubts the
+# wall clocks watches `beats` for two of these on its own monotonic clock
+HEARTBEAT_S = 5.0
+
+
+def wall_clock() -> float:
+    """time.time(), as the liveness checks read it (a test steps it forward: never the machine's clock)."""
+    return time.time()
 
 COMMANDS = ("promote", "abort")
 
@@ -101,14 +111,26 @@ def controller_identity() -> str:
     return f"{socket.gethostname()}:{os.getpid()}"
 
 
-def run_controller_alive(run: dict[str, Any]) -> bool | None:
+def run_controller_alive(run: dict[str, Any], store: RunStore | None = None) -> bool | None:
     """controller_alive for a run row: its heartbeat goes stale after one lease (`lease_s` of its
-    config), when the run's actors have stopped themselves anyway."""
+    config), when the run's actors have stopped themselves anyway.
+
+    With `store` (a reader about to take the run over: `resume`), a controller on another host whose
+    heartbeat looks stale by the wall clocks is not yet called gone: the clocks of two hosts may be
+    skewed, or this one stepped forward, by more than a lease. Its beat counter is watched for two
+    beats on this process's monotonic clock instead: alive if it moves."""
     try:
         lease_s = float(json.loads(run.get("config_json") or "{}").get("lease_s", 300))
     except (ValueError, TypeError, AttributeError):
         lease_s = 300.0
-    return controller_alive(run.get("controller"), run.get("heartbeat_at"), stale_after_s=lease_s)
+    alive = controller_alive(run.get("controller"), run.get("heartbeat_at"), stale_after_s=lease_s)
+    if alive is False and store is not None and _on_another_host(run.get("controller")):
+        return store.beats_move(run["run_id"], within_s=2 * HEARTBEAT_S + 1)
+    return alive
+
+
+def _on_another_host(identity: str | None) -> bool:
+    return bool(identity) and ":" in identity and identity.rpartition(":")[0] != socket.gethostname()
 
 
 def controller_alive(
@@ -126,7 +148,7 @@ def controller_alive(
     if host != socket.gethostname():
         if heartbeat_at is None or stale_after_s is None:
             return None
-        return time.time() - heartbeat_at < stale_after_s
+        return wall_clock() - heartbeat_at < stale_after_s
     try:
         os.kill(int(pid), 0)
     except ProcessLookupError:
@@ -226,8 +248,24 @@ class RunStore:
         return cursor.rowcount == 1
 
     def heartbeat(self, run_id: str) -> None:
-        """The controller is alive (what `resume` and `status` on another host go by)."""
-        self._tx("UPDATE runs SET heartbeat_at = ? WHERE run_id = ?", (time.time(), run_id))
+        """The controller is alive (what `resume` and `status` on another host go by): the time by its
+        clock, and one more beat (a count, for readers whose clock disagrees)."""
+        self._tx("UPDATE runs SET heartbeat_at = ?, beats = COALESCE(beats, 0) + 1 WHERE run_id = ?",
+                 (time.time(), run_id))
+
+    def beats_move(self, run_id: str, within_s: float, poll_s: float = 0.5) -> bool:
+        """Whether the run's beat counter moves within `within_s` of this process's monotonic clock."""
+        def beats() -> int | None:
+            row = self._db.execute("SELECT beats FROM runs WHERE run_id = ?", (run_id,)).fetchone()
+            return None if row is None else row[0]
+
+        first = beats()
+        deadline = time.monotonic() + within_s
+        while time.monotonic() < deadline:
+            time.sleep(poll_s)
+            if beats() != first:
+                return True
+        return False
 
     def finish_run(self, run_id: str, status: str, decision: str | None, exit_code: int, reason: str,
                    stable: tuple[str, dict[str, Any]] | None = None) -> None:

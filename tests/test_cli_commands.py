@@ -332,6 +332,7 @@ def test_resume_takes_over_from_another_host_only_when_its_heartbeat_is_stale_or
 
     started: list = []
     monkeypatch.setattr(cli_module, "_drive", lambda controller, *_, **__: started.append(controller) or 0)
+    monkeypatch.setattr("rollout.store.HEARTBEAT_S", 0.2)  # a stale heartbeat's beats are watched for two beats
     from rollout.config import load_config
 
     store = RunStore(runs / "history.db")
