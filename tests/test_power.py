@@ -124,21 +124,22 @@ def test_the_acceptance_variance_is_the_simulated_one():
 
 
 def test_the_acceptance_floor_passes_its_detectable_length_as_often_as_claimed():
-    """The demo plan's canary (400 requests of 16 tokens, k=3, floor 1.5): at the length the module says is passed
-    with 80% power, the request-clustered gate passes about 80% of runs at the last look."""
+    """The demo plan's canary (400 requests of 16 tokens, k=3, floor 1.5): at the lengths the module says are passed
+    and failed with 80% power, the request-clustered gate passes (fails) about 80% of runs at the last look."""
     cfg = GatesConfig(min_acceptance_length=1.5, enabled=["acceptance_length_floor"])
     looks = 10
     found = effect(PowerPlan(gates=cfg, requests_per_arm=400, planned_looks=looks, output_tokens=16,
                              speculative_tokens=3), "acceptance_length_floor")
-    rate = power._rate_for_length(found.passed_at, 4.0, 3, 15)
-    rng, trials, passed = np.random.default_rng(5), 400, 0
-    for _ in range(trials):
-        steps, histogram = draw_requests(rng, 400, 15, 3, 4 * rate, 4 * (1 - rate))
-        per_position = np.stack([histogram[:, j:].sum(axis=1) for j in range(1, 4)], axis=1)
-        verdict = judge_acceptance(spec_decode_of_counts(steps, per_position), cfg, look=looks, max_looks=looks,
-                                   information=[(i + 1) / looks for i in range(looks)]).verdict
-        passed += verdict is Verdict.PASS
-    assert within(passed / trials, 0.8, trials), passed / trials
+    rng, trials = np.random.default_rng(5), 400
+    for length, expected in ((found.passed_at, Verdict.PASS), (found.failed_at, Verdict.FAIL)):
+        rate, hits = power._rate_for_length(length, 4.0, 3, 15), 0
+        for _ in range(trials):
+            steps, histogram = draw_requests(rng, 400, 15, 3, 4 * rate, 4 * (1 - rate))
+            per_position = np.stack([histogram[:, j:].sum(axis=1) for j in range(1, 4)], axis=1)
+            verdict = judge_acceptance(spec_decode_of_counts(steps, per_position), cfg, look=looks, max_looks=looks,
+                                       information=[(i + 1) / looks for i in range(looks)]).verdict
+            hits += verdict is expected
+        assert within(hits / trials, 0.8, trials), (expected, hits / trials)
 
 
 # -- the plan as the run reads it -----------------------------------------------------------------

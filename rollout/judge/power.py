@@ -30,7 +30,7 @@ conservative), under assumptions stated in each line (`PowerAssumptions`):
   steps (rollout.judge.acceptance), each request of ``output_tokens`` with its own
   per-position rate r drawn from a Beta of concentration ``acceptance_concentration``
   whose mean puts the canary's length at the floor; the per-request variance is exact
-  under that model (a recursion on the tokens left), the se taken at the floor.
+  under that model (a recursion on the tokens left), the se taken at the true length.
 
 Pure (numbers in, numbers out); `rollout.phases.setup.power_plan` builds the plan
 from a run config. tests/test_power.py checks each formula against a simulation.
@@ -314,7 +314,7 @@ def _error_rate(plan: PowerPlan, a: PowerAssumptions) -> DetectableEffect:
 
 # -- the acceptance-length floor -----------------------------------------------------------------
 @lru_cache(maxsize=64)
-def _beta_grid(mean: float, concentration: float, points: int = 801) -> tuple[np.ndarray, np.ndarray]:
+def _beta_grid(mean: float, concentration: float, points: int = 401) -> tuple[np.ndarray, np.ndarray]:
     r = np.linspace(0.0, 1.0, points + 2)[1:-1]
     weight = scipy_stats.beta.pdf(r, concentration * mean, concentration * (1 - mean))
     return r, weight / weight.sum()
@@ -359,9 +359,17 @@ def acceptance_moments(mean_rate: float, concentration: float, k: int, tokens: i
     return 1.0 + ratio, float(w @ steps), math.sqrt(max(float(w @ second[tokens]), 0.0))
 
 
+@lru_cache(maxsize=512)
+def _length_of(mean_rate: float, concentration: float, k: int, tokens: int) -> float:
+    """The true mean length 1 + E[accepted] / E[steps] when the requests' rates are Beta(mean_rate, concentration)."""
+    r, w = _beta_grid(round(mean_rate, 10), concentration)
+    steps, accepted = _first_moments(r, k, tokens)
+    return 1.0 + float(w @ accepted) / float(w @ steps)
+
+
 def _rate_for_length(length: float, concentration: float, k: int, tokens: int) -> float | None:
     def gap(m: float) -> float:
-        return acceptance_moments(m, concentration, k, tokens)[0] - length
+        return _length_of(m, concentration, k, tokens) - length
 
     lo, hi = 1e-3, 1 - 1e-3
     if gap(lo) > 0 or gap(hi) < 0:
@@ -377,19 +385,39 @@ def _acceptance(plan: PowerPlan, a: PowerAssumptions) -> DetectableEffect | None
         return None
     rate = _rate_for_length(floor, a.acceptance_concentration, k, tokens)
     assumptions = (f"{n:,} canary requests of {tokens + 1} output tokens, k={k}, each request's acceptance rate "
-                   f"Beta-distributed (concentration {a.acceptance_concentration:g}); request-clustered se at the floor")
+                   f"Beta-distributed (concentration {a.acceptance_concentration:g}); request-clustered se at each length")
     if rate is None:
         return DetectableEffect(gate=ACCEPTANCE_NAME, metric="mean_acceptance_length", threshold=floor, sample=n,
                                 passed_at=None, failed_at=None, power=a.power, decidable=False, assumptions=assumptions,
                                 text=f"acceptance: floor {floor:g} is outside what k={k} drafts can reach",
                                 warning=f"min_acceptance_length {floor:g} is outside [1, {1 + k}] for k={k}")
-    _, steps, sd = acceptance_moments(rate, a.acceptance_concentration, k, tokens)
-    se = sd / (math.sqrt(n) * steps)
     crit = t_critical(_final_z(cfg.alpha, looks, cfg), n - 1)
     zb = _z(1.0 - a.power)
-    pass_at, fail_at = floor + (crit + zb) * se, floor - (crit + zb) * se
-    text = (f"acceptance: a true mean length >= {pass_at:.3f} is passed with {a.power:.0%} power at floor {floor:g}, "
-            f"<= {fail_at:.3f} failed ({assumptions}; se {se:.4f})")
+
+    def se_at(length: float) -> float:  # the request-clustered se of the ratio when the true length is `length`
+        m = _rate_for_length(length, a.acceptance_concentration, k, tokens)
+        if m is None:
+            return math.inf
+        _, steps, sd = acceptance_moments(m, a.acceptance_concentration, k, tokens)
+        return sd / (math.sqrt(n) * steps)
+
+    se = se_at(floor)
+
+    def at(sign: float) -> float | None:
+        """The true length whose distance from the floor is (crit + z_power) of its own se: the se moves
+        slowly with the length, so two steps of the fixed point settle it (to well under 1% of the se)."""
+        length = floor + sign * (crit + zb) * se
+        for _ in range(2):
+            step = se_at(length)
+            if not math.isfinite(step):
+                return None
+            length = floor + sign * (crit + zb) * step
+        return length if _rate_for_length(length, a.acceptance_concentration, k, tokens) is not None else None
+
+    pass_at, fail_at = at(+1.0), at(-1.0)
+    shown = lambda x: "-" if x is None else f"{x:.3f}"  # noqa: E731
+    text = (f"acceptance: a true mean length >= {shown(pass_at)} is passed with {a.power:.0%} power at floor {floor:g}, "
+            f"<= {shown(fail_at)} failed ({assumptions}; se {se:.4f} at the floor)")
     return DetectableEffect(gate=ACCEPTANCE_NAME, metric="mean_acceptance_length", threshold=floor, sample=n,
                             passed_at=pass_at, failed_at=fail_at, power=a.power, decidable=True,
                             assumptions=assumptions, text=text)
