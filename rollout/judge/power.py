@@ -12,10 +12,11 @@ conservative), under assumptions stated in each line (`PowerAssumptions`):
 
 * accuracy_noninferiority: paired items; with no true change the arms disagree on
   ``discordance`` of them (half each way), a drop d moves d of them to 'only the
-  baseline right'. The per-item difference then has variance q + d - d^2. One
-  analysis of all items (as the accuracy phase judges): pass at z(alpha), fail at
-  z(alpha * (1 - early_stop_alpha_fraction)) (the always-valid early rule adds
-  power to the fail side; not counted).
+  baseline right'. Tango's bounds (the gate's) exactly over the discordant counts;
+  one analysis of all items (as the accuracy phase judges): pass at z(alpha), fail
+  at z(alpha * (1 - early_stop_alpha_fraction)) (the always-valid early rule adds
+  power to the fail side; not counted). What a margin would need (the warning) is
+  the normal approximation, per-item variance q + d - d^2.
 * tpot_p50_improvement: the gate's own bounds (``judge_latency``, drift-robust over
   the looks) on simulated A/A runs of iid lognormal requests, shifted by log(ratio)
   (the ratio of quantiles is equivariant): exact for that world, and said as the
@@ -128,18 +129,35 @@ def _points(x: float) -> str:
 
 
 # -- accuracy (paired non-inferiority) ---------------------------------------------------------
-def _accuracy_se(drop: float, items: int, discordance: float) -> float:
-    return math.sqrt(max(discordance + drop - drop * drop, 1e-12) / items)
+def _paired_bound_probability(drop: float, items: int, margin: float, discordance: float, z_value: float,
+                              side: str) -> float:
+    """P(Tango's upper bound of the drop < margin) (side "pass") or P(its lower bound > margin) (side "fail") at a
+    true drop, exactly over the discordant counts (n12 only the baseline right, n21 only the canary)."""
+    p12, p21 = discordance / 2 + drop, discordance / 2
+    n12, pmf12 = _support(items, min(max(p12, 0.0), 1.0))
+    conditional = p21 / (1.0 - p12) if p12 < 1 else 0.0
+    lo = int(max(scipy_stats.binom.ppf(1e-9, items, p21) - 5, 0))
+    hi = int(min(scipy_stats.binom.isf(1e-9, items, p21) + 5, items))
+    n21 = np.arange(lo, hi + 1)
+    grid12, grid21 = np.meshgrid(n12, n21, indexing="ij")
+    pmf = pmf12[:, None] * scipy_stats.binom.pmf(grid21, items - grid12, conditional)
+    if side == "pass":
+        _, upper = stats.tango_interval(grid12, grid21, items, math.inf, z_value)
+        hit = upper < margin
+    else:
+        lower, _ = stats.tango_interval(grid12, grid21, items, z_value, math.inf)
+        hit = lower > margin
+    return float(np.sum(pmf * hit))
 
 
 def accuracy_pass_probability(drop: float, items: int, margin: float, discordance: float, z_pass: float) -> float:
-    """P(upper bound of the drop < margin) at a true drop."""
-    return float(special.ndtr((margin - drop) / _accuracy_se(drop, items, discordance) - z_pass))
+    """P(upper bound of the drop < margin) at a true drop (Tango's bound, exact over the counts)."""
+    return _paired_bound_probability(drop, items, margin, discordance, z_pass, "pass")
 
 
 def accuracy_fail_probability(drop: float, items: int, margin: float, discordance: float, z_fail: float) -> float:
-    """P(lower bound of the drop > margin) at a true drop (the early rule not counted)."""
-    return float(special.ndtr((drop - margin) / _accuracy_se(drop, items, discordance) - z_fail))
+    """P(lower bound of the drop > margin) at a true drop (the always-valid early rule not counted: it adds power)."""
+    return _paired_bound_probability(drop, items, margin, discordance, z_fail, "fail")
 
 
 def _accuracy(plan: PowerPlan, a: PowerAssumptions) -> DetectableEffect:
