@@ -49,20 +49,59 @@ def _refuse_run_id(run_id: str | None, what: str, command: str) -> bool:
     return error is not None
 
 
+# Filesystems a runs directory may not be on: SQLite's WAL needs shared memory and locks that a network
+# filesystem does not give (the SQLite docs: "WAL does not work over a network filesystem"), and a rename
+# there is not atomic (gcsfuse and s3fs copy, then delete): decision.json could be read half written.
+NETWORK_FILESYSTEMS = frozenset({
+    "nfs", "nfs4", "cifs", "smb3", "smbfs", "ncpfs", "afs", "9p", "ceph", "glusterfs", "lustre", "gpfs", "beegfs",
+    "fuse.gcsfuse", "fuse.s3fs", "fuse.goofys", "fuse.mountpoint-s3", "fuse.rclone", "fuse.sshfs", "fuse.blobfuse",
+    "fuse.blobfuse2", "fuse.glusterfs", "fuse.cephfs", "fuse.juicefs",
+})
+MOUNTS = "/proc/mounts"
+
+
+def filesystem_type(path: Path, mounts: str | None = None) -> str | None:
+    """The type of the filesystem `path` (or, not yet created, its nearest existing parent) is on, read
+    from the mount table (the longest mount point above it); None when the table cannot be read."""
+    target = Path(os.path.abspath(path))
+    while not target.exists() and target != target.parent:
+        target = target.parent
+    target = target.resolve()
+    try:
+        lines = Path(mounts or MOUNTS).read_text().splitlines()
+    except OSError:
+        return None
+    best, kind = "", None
+    for line in lines:
+        fields = line.split()
+        if len(fields) < 3:
+            continue
+        point = fields[1].replace("\\040", " ")
+        if (target == Path(point) or Path(point) in target.parents) and len(point) >= len(best):
+            best, kind = point, fields[2]
+    return kind
+
+
 def runs_dir_error(runs_dir: str, environ=os.environ) -> str | None:
     """Why a run may not write into `runs_dir`, in one line naming --runs-dir, or None.
 
     Inside a Ray job (RAY_JOB_ID) the working directory is the job's temporary copy of
     --working-dir, removed with the job (a KubeRay RayJob removes the whole cluster): a relative
-    runs dir would lose decision.json, the reports and history.db. A URL is refused anywhere: the
-    history is SQLite and the files are written in place, so a remote store is given as the
-    absolute path of its mount (a PVC, NFS, gcsfuse/s3fs)."""
+    runs dir would lose decision.json, the reports and history.db. A URL is refused anywhere, and so
+    is a mount of a network filesystem (NFS, SMB, gcsfuse, s3fs: NETWORK_FILESYSTEMS): the history is
+    SQLite in WAL mode and the files are replaced by renames, neither of which holds there. Persistent
+    storage for a run is a block volume (a PVC of a block storage class, the node's disk); copy the
+    run directory to shared storage after the run."""
     if "://" in runs_dir:
-        return (f"--runs-dir {runs_dir!r} is a URL: runs are written to a filesystem (SQLite history); "
-                "mount the remote store and give the mount's absolute path")
+        return (f"--runs-dir {runs_dir!r} is a URL: runs are written to a local filesystem (SQLite history); "
+                "give a local path (not a mount of the remote store) and copy the run directory out after the run")
     if environ.get("RAY_JOB_ID") and not Path(runs_dir).is_absolute():
         return (f"--runs-dir {runs_dir!r} is relative inside a Ray job (RAY_JOB_ID is set): the job's working "
-                "directory is temporary and goes with the job; give an absolute path on persistent or shared storage")
+                "directory is temporary and goes with the job; give an absolute path on persistent storage")
+    kind = filesystem_type(Path(runs_dir))
+    if kind in NETWORK_FILESYSTEMS:
+        return (f"--runs-dir {runs_dir!r} is on a network filesystem ({kind}): SQLite's WAL and atomic renames "
+                "need a local one (a block volume, the node's disk); copy the run directory out after the run")
     return None
 
 

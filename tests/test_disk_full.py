@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import errno
 import json
+import signal
 import subprocess
 import sys
 import threading
@@ -25,6 +26,23 @@ from rollout.store import RunStore
 from tests.conftest import REPO
 from tests.faults.endpoint_run import HOOK
 from tests.test_controller import Promotes
+
+
+@pytest.fixture(autouse=True)
+def own_signals():
+    """cli._drive installs the run's signal handlers (rollout.interrupts): pytest's come back after."""
+    from ray._private import worker
+
+    from rollout.interrupts import INTERRUPTS, SIGNALS
+
+    saved = {sig: signal.getsignal(sig) for sig in SIGNALS}
+    hooks = list(worker._post_init_hooks)
+    yield
+    for sig, handler in saved.items():
+        signal.signal(sig, handler)
+    worker._post_init_hooks[:] = hooks
+    INTERRUPTS.received = None
+    INTERRUPTS._hooked = False
 
 
 @pytest.fixture

@@ -1,7 +1,7 @@
 """Artifacts under a Ray job: inside `ray job submit` (RAY_JOB_ID set) the working directory is the
 job's temporary copy, so `run` and `resume` refuse a relative --runs-dir before anything starts or is
-written (one line naming --runs-dir and why, exit 2); a URL is refused anywhere (runs are written to a
-filesystem: a remote store is given as its mount's absolute path)."""
+written (one line naming --runs-dir and why, exit 2); a URL or a network filesystem's mount is refused
+anywhere (SQLite's WAL and atomic renames need a local filesystem)."""
 
 from __future__ import annotations
 
@@ -38,3 +38,21 @@ def test_a_url_runs_dir_is_refused_before_anything_starts(tmp_path, monkeypatch,
     err = capsys.readouterr().err.strip()
     assert len(err.splitlines()) == 1 and "--runs-dir 'gs://bucket/runs' is a URL" in err and "mount" in err
     assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("command", [["run", CONFIG], ["resume", "20260101-000000-x-abcd"]])
+@pytest.mark.parametrize("kind", ["nfs4", "fuse.gcsfuse", "fuse.s3fs", "cifs"])
+def test_a_runs_dir_on_a_network_filesystem_is_refused_before_anything_starts(command, kind, tmp_path, monkeypatch,
+                                                                               capsys):
+    mounts = tmp_path / "mounts"
+    shared = tmp_path / "shared"
+    shared.mkdir()
+    # the machine's mount table with the runs directory's mount on a network filesystem (the longest match wins)
+    mounts.write_text(f"/dev/vda / ext4 rw 0 0\nserver:/export {shared} {kind} rw 0 0\n")
+    monkeypatch.setattr("rollout.cli.MOUNTS", str(mounts))
+    monkeypatch.delenv("RAY_JOB_ID", raising=False)
+    assert main([*command, "--runs-dir", str(shared / "runs")]) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and f"is on a network filesystem ({kind})" in err and "--runs-dir" in err
+    assert list(shared.iterdir()) == []  # nothing written
+    assert runs_dir_error(str(tmp_path / "elsewhere" / "runs"), {}) is None  # on / (ext4)
