@@ -258,9 +258,10 @@ class ExperimentConfig(BaseModel):
     # shape), on one arm more than the other: seen as TTFT p50 180-220 ms for a CPU canary's first
     # ~50 requests against ~148 ms after. Judged, they sit in the first block alone and inflate
     # the design effect. GuideLLM's and AIPerf's warm-up requests, here per arm.
-    warmup_requests_per_arm: int = Field(
-        0, ge=0, description="the first N completed requests of every arm are stored (records.jsonl, the store's "
-        "look 0) but not judged: the looks, their information fraction and the acceptance counters begin after them",
+    warmup_requests_per_arm: int | None = Field(
+        None, ge=0, description="the first N completed requests of every arm are stored (records.jsonl, the store's "
+        "look 0) but not judged: the looks, their information fraction and the acceptance counters begin after them; "
+        "null (default): one look's worth (requests_per_look); 0: no warm-up",
     )
     min_looks: int = Field(1, ge=1, description="no early stop before this many looks")
     max_duration_s: float = Field(
@@ -362,6 +363,8 @@ class ExperimentConfig(BaseModel):
             )
         if self.min_looks > self.planned_looks:
             raise ValueError(f"min_looks must be <= the {self.planned_looks} planned looks")
+        if self.warmup_requests_per_arm is None:  # a fresh engine's first look is left out unless told otherwise
+            self.warmup_requests_per_arm = self.requests_per_look
         if self.worker_placement != "local" and self.workers == 0:
             raise ValueError("workers: 0 (one local Locust process) needs worker_placement: local")
         if self.arm_users and self.rate_per_replica:

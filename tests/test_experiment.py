@@ -141,8 +141,9 @@ def test_a_small_effect_keeps_looking_to_the_plan(local_ray, tmp_path):
 
 
 def test_the_wall_clock_cap_ends_the_phase_with_the_counts_in_the_reason(local_ray, tmp_path):
+    # no warm-up: the cap is to come after a look (a cap inside the warm-up has a reason of its own)
     exp = ExperimentConfig(requests_per_look=100, requests_per_arm=5000, window_s=1, users_per_replica=2, max_tokens=12,
-                           max_duration_s=12, workers=1, worker_placement="local")
+                           max_duration_s=12, workers=1, worker_placement="local", warmup_requests_per_arm=0)
     with TargetProcess(ttft_ms=20, tpot_ms=20) as baseline, TargetProcess(ttft_ms=20, tpot_ms=19) as canary:
         with routed(baseline.url, canary.url) as (router, url):
             outcome, _, _ = run_experiment(tmp_path, router, url, exp, GATES)

@@ -100,9 +100,10 @@ def test_ties_do_not_promote(tmp_path, capsys):
     code, [out] = judged(capsys, str(records), "--config", str(config))
     assert out["decision"] != "promote" and code != 0
     rng = np.random.default_rng(1)
-    faster = write_records(tmp_path / "faster.jsonl", {"baseline": rng.lognormal(np.log(0.03), 0.2, 200),
-                                                       "canary": rng.lognormal(np.log(0.021), 0.2, 200)},
-                           ttft_by_arm={arm: rng.lognormal(np.log(0.05), 0.3, 200) for arm in ("baseline", "canary")})
+    n = 440  # the config's warm-up (one look) and its 400 planned per arm
+    faster = write_records(tmp_path / "faster.jsonl", {"baseline": rng.lognormal(np.log(0.03), 0.2, n),
+                                                       "canary": rng.lognormal(np.log(0.021), 0.2, n)},
+                           ttft_by_arm={arm: rng.lognormal(np.log(0.05), 0.3, n) for arm in ("baseline", "canary")})
     code, [out] = judged(capsys, str(faster), "--config", str(config))
     assert out["decision"] == "promote" and code == 0, out["reason"]
 
@@ -276,7 +277,9 @@ def test_a_run_with_a_warm_up_is_replayed_with_it_and_another_warm_up_is_another
     assert replay.warmup_records >= 40 and replay.looks[0].requests == looks[0]["requests"]
     # a --config with no warm-up is another plan: looks by the boundary rule, and a note says so
     config = tmp_path / "no-warmup.yaml"
-    config.write_text((REPO / "configs" / "local-cpu.yaml").read_text())
+    data = yaml.safe_load((REPO / "configs" / "local-cpu.yaml").read_text())
+    data["experiment"]["warmup_requests_per_arm"] = 0  # the default is one look's worth
+    config.write_text(yaml.safe_dump(data))
     from rollout.config import load_config
 
     other = rejudge.load_input(str(run), load_config(config))

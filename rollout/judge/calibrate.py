@@ -63,6 +63,7 @@ run config, times the run and reports progress on stderr.
 from __future__ import annotations
 
 import argparse
+import fnmatch
 import json
 import math
 import multiprocessing
@@ -70,6 +71,7 @@ import os
 import sys
 import time
 import zlib
+from collections import defaultdict
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any
@@ -92,7 +94,7 @@ from rollout.judge.calibration_trial import (
     run_experiment_looks,
 )
 from rollout.judge.config import GatesConfig
-from rollout.judge.experiment_looks import LookPlan, next_information, requests_by_arm
+from rollout.judge.experiment_looks import LookPlan, next_information, requests_by_arm, warmup_end
 from rollout.judge.names import (
     ACCEPTANCE_NAME,
     ACCURACY_NAME,
@@ -102,6 +104,7 @@ from rollout.judge.names import (
     OBJECTIVE_NAME,
 )
 from rollout.judge.scenarios import (
+    DEPENDENCE_SCENARIOS,
     LATENCY_SCENARIOS,
     AccuracyWorld,
     LatencyWorld,
@@ -133,6 +136,8 @@ TWIN_POWER_RATIOS = (0.7,)
 PASSING_TPOT_RATIO = 0.7  # the objective comfortably passes while another gate sits at its limit
 GOODPUT_SCENARIO = "arm_level_0.10"  # the goodput gate at its margin: a per-look arm-level latency (correlated requests)
 CHUNK_TRIALS = 25  # trials per task handed to a worker
+GOOD_CANARY_TPOT_RATIO = 0.7  # a good canary in the dependence worlds: a true 30% TPOT gain, every other gate quiet
+BURST_SCENARIO = "error_bursts_10"  # the error-rate guard at its limit with errors in bursts
 # The several-candidates rows: (candidates, latency scenario), every candidate at the objective's bar. iid
 # gives the candidates the least in common (the baseline's requests are all they share: the most room for
 # "one of them passes by chance"); arm_level_0.10 adds each arm's per-look swing, the demo's machine.
@@ -163,9 +168,8 @@ FULL_EVAL_ITEMS = {"gsm8k": 1319, "golden": 160}  # items of a set without accur
 class _ExperimentSection(pydantic.BaseModel, extra="ignore"):
     """The run config's ``experiment:`` fields the design uses (defaults as rollout.config.ExperimentConfig).
 
-    Not ``warmup_requests_per_arm``: a warm-up's records are never judged, and a simulated stream
-    has no warm-up to leave out, so a design with one is the same design (the looks and their
-    counts begin after it; tests/test_rejudge.py replays both ways to the same verdicts)."""
+    ``warmup_requests_per_arm``: the simulated stream starts cold in the warm-up worlds, so its
+    first records are left out as the controller leaves them out (None: one look's worth)."""
 
     enabled: bool = True
     requests_per_look: int = Field(100, ge=5)
@@ -175,6 +179,11 @@ class _ExperimentSection(pydantic.BaseModel, extra="ignore"):
     max_duration_s: float = Field(1800, gt=0)
     users_per_replica: int = Field(2, ge=1)
     max_tokens: int = Field(64, ge=2)
+    warmup_requests_per_arm: int | None = Field(None, ge=0)
+
+    @property
+    def warmup(self) -> int:
+        return self.requests_per_look if self.warmup_requests_per_arm is None else self.warmup_requests_per_arm
 
 
 class _AccuracySection(pydantic.BaseModel, extra="ignore"):
@@ -243,7 +252,7 @@ def design_from_run_config(data: Mapping[str, Any], source: str) -> CalibrationD
         raise ValueError("experiment.requests_per_look must be <= experiment.requests_per_arm")
     plan = LookPlan(
         experiment.requests_per_look, experiment.requests_per_arm, float(experiment.window_s), experiment.min_looks,
-        float(experiment.max_duration_s),
+        float(experiment.max_duration_s), warmup_requests_per_arm=experiment.warmup,
     )
     speculative = _section(data, "canary", "engine", "speculative_config", "num_speculative_tokens") or 0
     replicas = int(_section(data, "baseline", "replicas") or 1)
@@ -258,6 +267,7 @@ def design_from_run_config(data: Mapping[str, Any], source: str) -> CalibrationD
             users_per_arm=experiment.users_per_replica * replicas,
             output_tokens=experiment.max_tokens,
             speculative_tokens=int(speculative) if speculative else 0,
+            warmup_per_arm=experiment.warmup,
         ),
         experiment_enabled=experiment.enabled,
         accuracy_enabled=accuracy.enabled,
@@ -289,9 +299,15 @@ class TrialOutcome:
 _TEMPLATE = RequestRecord(request_id="simulated", tag="experiment", worker="calibrate", sent_at=0.0, e2e_s=0.0, ok=True, status=200)
 
 
+def _without_warmup(records: list[RequestRecord], plan: LookPlan) -> list[RequestRecord]:
+    """The records after the warm-up (`experiment_looks.warmup_end`), as the controller judges them."""
+    end = warmup_end(records, plan) if plan.warmup_requests_per_arm else 0
+    return records[end or 0:]
+
+
 def _experiment(rng: np.random.Generator, design: CalibrationDesign, spec: TrialSpec):
-    records = simulate_records(rng, design.latency, spec, design.shape, _TEMPLATE)
     plan = replace(design.plan, twin=True) if spec.twin_tpot_ratio is not None else design.plan
+    records = _without_warmup(simulate_records(rng, design.latency, spec, design.shape, _TEMPLATE), plan)
     canary_ok = [r.request_id for r in records if r.arm == CANARY and r.ok]
     k = design.shape.speculative_tokens if design.speculative_canary else 0
     if k > 0:
@@ -309,10 +325,10 @@ def _candidates_trial(design: CalibrationDesign, spec: TrialSpec, rng: np.random
     least-served arm's), each candidate judged against the shared baseline at its share of alpha by
     ``candidates.CandidateLooks`` (its gates standing from the look they are final), the winner by
     ``candidates.choose_winner``; the same looks judged at the whole alpha give ``unadjusted_decision``."""
-    records = simulate_records(rng, design.latency, spec, design.shape, _TEMPLATE)
-    k = design.shape.speculative_tokens if design.speculative_canary else 0
     arms = candidate_arms(spec.candidates)
     every_arm = replace(design.plan, candidates=arms)
+    records = _without_warmup(simulate_records(rng, design.latency, spec, design.shape, _TEMPLATE), every_arm)
+    k = design.shape.speculative_tokens if design.speculative_canary else 0
     ends = look_ends(records, every_arm)
     # each candidate's counters at a look: over its view of the records, whose index a prefix count maps to
     spec_at: dict[str, Callable[[int], SpecDecodeStats]] = {}
@@ -459,6 +475,16 @@ def trial_sets(design: CalibrationDesign) -> dict[str, TrialSpec]:
             sets[f"noise_floor/{name}"] = spec
         for count, scenario in CANDIDATE_ROWS:
             sets[f"candidates/{count}/{scenario}"] = TrialSpec(scenario=scenario, tpot_ratio=bar, candidates=count)
+        for scenario in DEPENDENCE_SCENARIOS:
+            sets[f"{scenario}/at_bar"] = TrialSpec(scenario=scenario, tpot_ratio=bar)
+            sets[f"{scenario}/aa"] = TrialSpec(scenario=scenario)
+            sets[f"{scenario}/good"] = TrialSpec(scenario=scenario, tpot_ratio=GOOD_CANARY_TPOT_RATIO)
+        cfg_limit = design.gates
+        if is_enabled("error_rate_guard", cfg_limit):
+            sets[f"{BURST_SCENARIO}/error_limit"] = TrialSpec(
+                scenario=BURST_SCENARIO, tpot_ratio=PASSING_TPOT_RATIO,
+                canary_error_rate=design.latency.error_rate + cfg_limit.error_rate_max_increase,
+            )
     for gate, spec in _limit_specs(design).items():
         sets["iid/at_bar" if gate == OBJECTIVE_NAME else f"limit/{gate}"] = spec
     cfg, world = design.gates, design.latency
@@ -507,9 +533,12 @@ def _chunks(sets: Mapping[str, TrialSpec], trials: int, seed: int) -> list[tuple
 
 
 def _outcomes(
-    design: CalibrationDesign, trials: int, seed: int, workers: int, progress: Callable[[int, int], None] | None
+    design: CalibrationDesign, trials: int, seed: int, workers: int, progress: Callable[[int, int], None] | None,
+    only: str | None = None,
 ) -> dict[str, list[TrialOutcome]]:
     sets = trial_sets(design)
+    if only is not None:  # a subset of the trial sets (fnmatch on their keys), for a quick look at some rows
+        sets = {key: spec for key, spec in sets.items() if fnmatch.fnmatch(key, only)}
     tasks = _chunks(sets, trials, seed)
     by_key: dict[str, list[TrialOutcome]] = {key: [] for key in sets}
 
@@ -554,18 +583,46 @@ def _candidate_rows(by_key: Mapping[str, Sequence[TrialOutcome]], alpha: float, 
     ]
 
 
+def _dependence_rows(by_key: Mapping[str, Sequence[TrialOutcome]], trials: int) -> list[dict[str, Any]]:
+    """The worlds built to break the looks' independence (scenarios.DEPENDENCE_SCENARIOS): the objective's false
+    promote at its bar, the whole decision's P(PROMOTE) there, a false rollback with identical arms, and the
+    whole decision's P(PROMOTE) of a good canary (a true 30% TPOT gain); the bursts world adds the error-rate
+    guard at its limit (P(it passes): a false pass)."""
+    rows = []
+    for name in DEPENDENCE_SCENARIOS:
+        if f"{name}/at_bar" not in by_key:
+            continue
+        # the experiment alone is simulated: the decision is PROMOTE when every experiment gate passes
+        promoted = lambda o: bool(o.verdicts) and all(v == "pass" for v in o.verdicts.values())  # noqa: E731
+        row = {
+            "name": name,
+            "false_promote_rate": _rate(by_key[f"{name}/at_bar"], lambda o: o.verdicts.get(OBJECTIVE_NAME) == "pass"),
+            "decision_false_promote_rate": _rate(by_key[f"{name}/at_bar"], promoted),
+            "false_rollback_rate": _rate(by_key[f"{name}/aa"], _other_gate_failed),
+            "good_canary_promote_rate": _rate(by_key[f"{name}/good"], promoted),
+            "trials": trials,
+        }
+        if f"{name}/error_limit" in by_key:
+            row["error_guard_pass_at_limit"] = _rate(by_key[f"{name}/error_limit"], lambda o: o.verdicts.get("error_rate_guard") == "pass")
+        rows.append(row)
+    return rows
+
+
 def run_calibration(
     design: CalibrationDesign | None = None,
     trials: int = 2000,
     seed: int = 0,
     workers: int = 1,
     progress: Callable[[int, int], None] | None = None,
+    only: str | None = None,
 ) -> dict[str, Any]:
-    """Simulate ``trials`` runs per trial set; return the calibration table (see the module docstring)."""
+    """Simulate ``trials`` runs per trial set; return the calibration table (see the module docstring).
+
+    ``only``: simulate only the trial sets whose key matches this fnmatch pattern (rows of the others read NaN)."""
     if trials < 1:
         raise ValueError("trials must be >= 1")
     design = design or default_design()
-    by_key = _outcomes(design, trials, seed, workers, progress)
+    by_key: dict[str, list[TrialOutcome]] = defaultdict(list, _outcomes(design, trials, seed, workers, progress, only))
     alpha = design.gates.alpha
     scenarios = []
     if design.experiment_enabled:
@@ -615,6 +672,7 @@ def run_calibration(
         if design.experiment_enabled and design.gates.goodput_slo is not None and is_enabled(GOODPUT_NAME, design.gates)
     ]
     candidates = _candidate_rows(by_key, alpha, trials)
+    dependence = _dependence_rows(by_key, trials)
     decisions = by_key["decision"]
     return {
         "alpha": alpha,
@@ -628,6 +686,7 @@ def run_calibration(
         "noise_floor": noise_floor,
         "goodput_aa": goodput_aa,
         "candidates": candidates,
+        "dependence": dependence,
         "decision": {
             "false_promote_rate": _rate(decisions, lambda o: o.decision == Decision.PROMOTE.value),
             "false_rollback_rate": _rate(decisions, lambda o: o.decision == Decision.ROLLBACK.value),
@@ -691,6 +750,16 @@ def format_table(result: Mapping[str, Any]) -> str:
             flag = "  <-- above alpha + 2 SE" if row["false_promote_rate"] > bound else ""
             lines.append(f"  {row['candidates']:>2} {row['scenario']:<20} {row['false_promote_rate']:>13.4f} "
                          f"{row['unadjusted_false_promote_rate']:>10.4f}{flag}")
+    if result.get("dependence"):
+        lines += ["", "Dependence worlds (levels that persist across looks, warm-up, bursts, feedback): the objective's",
+                  "false promote at its bar, the whole decision's P(PROMOTE) there, a false rollback (A/A), and the whole",
+                  f"decision's P(PROMOTE) of a canary truly {GOOD_CANARY_TPOT_RATIO:g} x the baseline's TPOT (power).",
+                  f"  {'world':<24} {'false promote':>13} {'decision':>8} {'false rollback':>14} {'good canary':>11}"]
+        for row in result["dependence"]:
+            flag = "  <-- above alpha + 2 SE" if max(row["false_promote_rate"], row["false_rollback_rate"]) > bound else ""
+            extra = f"  error guard at its limit passes {row['error_guard_pass_at_limit']:.4f}" if "error_guard_pass_at_limit" in row else ""
+            lines.append(f"  {row['name']:<24} {row['false_promote_rate']:>13.4f} {row['decision_false_promote_rate']:>8.4f} "
+                         f"{row['false_rollback_rate']:>14.4f} {row['good_canary_promote_rate']:>11.4f}{flag}{extra}")
     d = result["decision"]
     lines += ["", "The whole decision with every gate at its limit at once (accuracy phase, then the experiment):",
               f"  P(PROMOTE) {d['false_promote_rate']:.4f}   P(ROLLBACK) {d['false_rollback_rate']:.4f}"]
@@ -724,6 +793,8 @@ def main(argv: Sequence[str] | None = None, load_run_config: Callable[[str], Map
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--workers", type=int, default=os.cpu_count() or 1, help="processes (default: every CPU)")
     parser.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
+    parser.add_argument("--sets", metavar="PATTERN", help="simulate only the trial sets matching this pattern "
+                        "(e.g. 'ar1_*'; the other rows read nan): a quick look at some rows")
     args = parser.parse_args(argv)
     try:
         design = (
@@ -739,7 +810,7 @@ def main(argv: Sequence[str] | None = None, load_run_config: Callable[[str], Map
         if done == total or done % max(total // 20, 1) == 0:
             sys.stderr.write(f"calibrate: {done}/{total} chunks of {CHUNK_TRIALS} trials, {time.perf_counter() - started:.0f} s\n")
 
-    result = run_calibration(design, trials=args.trials, seed=args.seed, workers=args.workers, progress=progress)
+    result = run_calibration(design, trials=args.trials, seed=args.seed, workers=args.workers, progress=progress, only=args.sets)
     result["wall_s"] = round(time.perf_counter() - started, 2)
     result["workers"] = args.workers
     sys.stdout.write(json.dumps(result, indent=2) + "\n" if args.json else format_table(result) + "\n")

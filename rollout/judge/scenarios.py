@@ -34,6 +34,22 @@ Latency, per arm and request (seconds)
     heavy_tails    log-sd 1.0 for TPOT and TTFT, and 3% of requests multiplied by
                    1 + Pareto(1.5) (infinite variance).
 
+Worlds built to break the looks' independence (each arm's level persists across looks):
+
+    ar1_SD_RHO     each arm's per-look log-level is a stationary AR(1) with sd SD and
+                   look-to-look correlation RHO (a replica's state, a neighbour that stays);
+    random_walk_STEP   each arm's per-look log-level is a random walk with step sd STEP
+                   (no stationary level at all: the drift of a degrading node);
+    linear_drift   each arm's log-level moves linearly over the run, from 0 to a
+                   slope ~ N(0, 0.10) at the plan's last look;
+    warmup_ARM_AMP_LOOKS   ARM's (baseline or canary) latency starts AMP higher and
+                   decays by e every LOOKS looks (a cold cache, a JIT, a first compile);
+    error_bursts_B     errors come in bursts of B consecutive requests of an arm (a
+                   stalled replica times out everything in flight) at the arm's rate;
+    feedback       closed-loop feedback: an arm's latency rises with its requests in
+                   flight (x (1 + 0.15 (in flight - 1))), so the slower arm holds more in
+                   flight and slows further (Little's law), as a shared closed loop does.
+
 A twin baseline (``TrialSpec.twin_tpot_ratio`` set): a third arm with the baseline's
 latency, its TPOT ``twin_tpot_ratio`` x the baseline's (1: a true A/A; below 1: the
 baseline's replica sits on slower cores than the twin's), in the same alternating ticket
@@ -83,6 +99,8 @@ from rollout.judge.names import TWIN_ARM
 
 __all__ = [
     "LATENCY_SCENARIOS",
+    "DEPENDENCE_SCENARIOS",
+    "ALL_SCENARIOS",
     "LatencyWorld",
     "AccuracyWorld",
     "TrialSpec",
@@ -108,6 +126,20 @@ LATENCY_SCENARIOS = (
     "unequal_n",
     "heavy_tails",
 )
+# The worlds that break the looks' independence (``calibrate`` runs them beside the ones above).
+DEPENDENCE_SCENARIOS = (
+    "ar1_0.05_0.5",
+    "ar1_0.10_0.8",
+    "random_walk_0.05",
+    "linear_drift",
+    "warmup_baseline_0.30_1",
+    "warmup_baseline_0.15_3",
+    "warmup_canary_0.30_1",
+    "error_bursts_10",
+    "feedback",
+)
+ALL_SCENARIOS = LATENCY_SCENARIOS + DEPENDENCE_SCENARIOS
+FEEDBACK_PER_REQUEST = 0.15  # the feedback world: latency x (1 + this x the arm's other requests in flight)
 
 
 @dataclass(frozen=True)
@@ -159,8 +191,8 @@ class TrialSpec:
     candidates: int = 1  # candidate arms, each with the canary's effects (the first is CANARY; see candidate_arms)
 
     def __post_init__(self) -> None:
-        if self.scenario not in LATENCY_SCENARIOS:
-            raise ValueError(f"unknown scenario {self.scenario!r}; known: {', '.join(LATENCY_SCENARIOS)}")
+        if self.scenario not in ALL_SCENARIOS:
+            raise ValueError(f"unknown scenario {self.scenario!r}; known: {', '.join(ALL_SCENARIOS)}")
         if self.candidates < 1:
             raise ValueError(f"candidates must be >= 1, got {self.candidates}")
 
@@ -174,6 +206,7 @@ class StreamShape:
     users_per_arm: int
     output_tokens: int
     speculative_tokens: int = 3
+    warmup_per_arm: int = 0  # completed requests per arm before the looks begin (stored, never judged)
 
 
 def candidate_arms(candidates: int) -> tuple[str, ...]:
@@ -192,6 +225,32 @@ def _linked_level(scenario: str) -> tuple[float, int]:
         if scenario.startswith(prefix):
             return float(scenario.removeprefix(prefix)), sign
     return 0.0, 1
+
+
+def _persistent_level(rng: np.random.Generator, scenario: str, blocks: int, plan_blocks: int, arm: str) -> np.ndarray | None:
+    """One arm's log-level per look-sized block in the worlds whose levels persist across looks (None elsewhere).
+
+    ``plan_blocks``: the looks the plan holds (a linear drift reaches its slope there); ``arm``: BASELINE,
+    CANARY or the twin's name (a warm-up hits only the arm it names; the twin is a baseline).
+    """
+    index = np.arange(blocks)
+    if scenario.startswith("ar1_"):
+        sd, rho = (float(x) for x in scenario.removeprefix("ar1_").split("_"))
+        shocks = rng.normal(0.0, sd * math.sqrt(1.0 - rho * rho), blocks)
+        level = np.empty(blocks)
+        level[0] = rng.normal(0.0, sd)
+        for t in range(1, blocks):
+            level[t] = rho * level[t - 1] + shocks[t]
+        return level
+    if scenario.startswith("random_walk_"):
+        return np.cumsum(rng.normal(0.0, float(scenario.removeprefix("random_walk_")), blocks))
+    if scenario == "linear_drift":
+        return rng.normal(0.0, 0.10) * index / max(plan_blocks - 1, 1)
+    if scenario.startswith("warmup_"):
+        who, amplitude, looks = scenario.removeprefix("warmup_").split("_")
+        hit = who == arm
+        return math.log1p(float(amplitude)) * np.exp(-index / float(looks)) * hit
+    return None
 
 
 def _arm_latencies(
@@ -213,6 +272,10 @@ def _arm_latencies(
         log_tpot, log_ttft = log_tpot + level, log_ttft + level
     if linked_level is not None:
         log_tpot, log_ttft = log_tpot + linked_level[block], log_ttft + linked_level[block]
+    arm = CANARY if canary else TWIN_ARM if twin else BASELINE
+    plan_blocks = max((shape.requests_per_arm + shape.warmup_per_arm) // shape.requests_per_look, 1)
+    if (persistent := _persistent_level(rng, scenario, block[-1] + 1, plan_blocks, arm)) is not None:
+        log_tpot, log_ttft = log_tpot + persistent[block], log_ttft + persistent[block]
     if scenario == "within_look_drift":
         span = rng.normal(0.0, world.drift_sd, block[-1] + 1)[block]
         position = (np.arange(n) % shape.requests_per_look) / max(shape.requests_per_look - 1, 1) - 0.5
@@ -236,21 +299,31 @@ def _arm_latencies(
         tpot = np.maximum(np.round(tpot / tick), 1.0) * tick
         ttft = np.maximum(np.round(ttft / tick), 1.0) * tick
     error_rate = world.error_rate if not canary or spec.canary_error_rate is None else spec.canary_error_rate
-    ok = rng.random(n) >= error_rate
+    if scenario.startswith("error_bursts_"):  # the same rate, in runs of `burst` consecutive requests
+        burst = int(scenario.removeprefix("error_bursts_"))
+        starts = rng.random(n) < error_rate / burst
+        ok = np.convolve(starts, np.ones(burst, dtype=int))[:n] == 0
+    else:
+        ok = rng.random(n) >= error_rate
     return ttft, tpot, ok
 
 
-def _closed_loop(durations: dict[str, np.ndarray], users: int, alternate: bool) -> dict[str, tuple[np.ndarray, np.ndarray]]:
+def _closed_loop(
+    durations: dict[str, np.ndarray], users: int, alternate: bool, feedback: float = 0.0
+) -> dict[str, tuple[np.ndarray, np.ndarray]]:
     """(sent_at, completed_at) per arm for closed-loop streams.
 
     ``alternate``: ``users`` streams share one ticket sequence that alternates the
-    arms; else every arm has ``users // 2`` streams of its own.
+    arms; else every arm has ``users // 2`` streams of its own. ``feedback`` (alternate
+    only): a request's duration is multiplied by 1 + feedback x (its arm's requests
+    in flight when it is sent); ``durations`` is scaled in place by that factor.
     """
     if alternate:
         free = [(0.0, u) for u in range(users)]
         heapq.heapify(free)
         counts = {arm: 0 for arm in durations}
         sent = {arm: np.empty(len(d)) for arm, d in durations.items()}
+        in_flight: dict[str, list[float]] = {arm: [] for arm in durations}  # completion times, a heap per arm
         arms = list(durations)
         limit = min(len(d) for d in durations.values())
         ticket = 0
@@ -261,6 +334,12 @@ def _closed_loop(durations: dict[str, np.ndarray], users: int, alternate: bool) 
             i = counts[arm]
             counts[arm] += 1
             sent[arm][i] = t
+            if feedback:
+                flying = in_flight[arm]
+                while flying and flying[0] <= t:
+                    heapq.heappop(flying)
+                durations[arm][i] *= 1.0 + feedback * len(flying)
+                heapq.heappush(flying, t + durations[arm][i])
             heapq.heappush(free, (t + durations[arm][i], user))
         return {arm: (sent[arm][: counts[arm]], sent[arm][: counts[arm]] + durations[arm][: counts[arm]]) for arm in arms}
     out = {}
@@ -290,7 +369,8 @@ def simulate_records(
     candidates = candidate_arms(spec.candidates)
     arms = (BASELINE, CANARY, *((TWIN_ARM,) if spec.twin_tpot_ratio is not None else ()), *candidates[1:])
     users = len(arms) * shape.users_per_arm
-    budget = shape.requests_per_arm + users + 2 if alternate else int(2.5 * shape.requests_per_arm) + 2 * users
+    planned = shape.requests_per_arm + shape.warmup_per_arm
+    budget = planned + users + 2 if alternate else int(2.5 * planned) + 2 * users
     linked_sd, canary_sign = _linked_level(spec.scenario)
     # drawn only where linked, so every other scenario's draws stay as they were
     linked = rng.normal(0.0, linked_sd, (budget - 1) // shape.requests_per_look + 1) if linked_sd > 0 else None
@@ -303,9 +383,16 @@ def simulate_records(
     }
     tokens = shape.output_tokens
     e2e = {arm: np.where(ok, ttft + tpot * (tokens - 1), world.error_latency_s) for arm, (ttft, tpot, ok) in latencies.items()}
-    times = _closed_loop(e2e, users, alternate=alternate)
+    if spec.scenario == "feedback":  # a request's whole latency scales with its arm's load when it is sent
+        unscaled = {arm: d.copy() for arm, d in e2e.items()}
+        times = _closed_loop(e2e, users, alternate=alternate, feedback=FEEDBACK_PER_REQUEST)
+        for arm, (ttft, tpot, ok) in latencies.items():
+            factor = e2e[arm] / unscaled[arm]
+            latencies[arm] = (ttft * factor, tpot * factor, ok)
+    else:
+        times = _closed_loop(e2e, users, alternate=alternate)
     # Up to the moment both arms have completed the plan (plus the requests in flight then).
-    enough = max(np.sort(done)[min(shape.requests_per_arm, done.size) - 1] for _, done in times.values())
+    enough = max(np.sort(done)[min(planned, done.size) - 1] for _, done in times.values())
     rows = []
     for arm, (sent, done) in times.items():
         ttft, tpot, ok = latencies[arm]

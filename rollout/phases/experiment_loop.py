@@ -217,8 +217,12 @@ class ExperimentPhase:
                     capped_reason = self._capped_reason(totals)
                     self.say(capped_reason)
                     break
-                # the bar follows the arm with the fewest requests: the plan ends when it reaches requests_per_arm
-                ctx.tick("experiment requests (fewest arm)", min(totals.values()), plan.requests_per_arm)
+                # the bar follows the arm with the fewest requests: the plan ends when it reaches requests_per_arm;
+                # the warm-up has a bar of its own (its requests are not the plan's: that bar never runs backwards)
+                if looking:
+                    ctx.tick("experiment requests (fewest arm)", min(totals.values()), plan.requests_per_arm)
+                else:
+                    ctx.tick("experiment warm-up (fewest arm)", min(totals.values()), plan.warmup_requests_per_arm)
                 if now >= next_progress and not looking:
                     next_progress = now + PROGRESS_EVERY_S
                     self.say(f"{now - started:.0f} s, warm-up: completed requests {self._counts(totals)} of "
