@@ -369,3 +369,16 @@ def test_a_promote_answers_the_pause_of_that_moment_never_a_later_one(runs, caps
     assert [c["consumed"] is not None for c in store.commands("r-live")] == [True]
     code, _, _ = cli(capsys, "promote", "r-live", "--runs-dir", str(runs))  # sent during this pause: taken
     assert code == 0 and store.take_command("r-live", accept=("promote",)) == "promote"
+
+
+def test_resume_refuses_a_run_that_already_ended_in_error(runs, capsys, monkeypatch):
+    from rollout import cli as cli_module
+
+    started: list = []
+    monkeypatch.setattr(cli_module, "_drive", lambda controller, *_, **__: started.append(controller) or 0)
+    store = RunStore(runs / "history.db")
+    store.update_run("r-live", status="error", exit_code=130, reason="interrupted by SIGTERM")
+    code, _, err = cli(capsys, "resume", "r-live", "--runs-dir", str(runs))
+    assert code == 2 and started == []
+    assert err.strip() == "mtp-canary resume: run r-live already ended in error (interrupted by SIGTERM): start it again"
+    assert not store.claim("r-live", "host:1", previous=None)  # nor can anything else reopen it

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import errno
 import json
+import os
 import signal
 import subprocess
 import sys
@@ -60,13 +61,16 @@ def small_disk(tmp_path):
 
 def fill(directory) -> None:
     """Write a ballast file until the filesystem is full."""
-    with open(directory / "ballast", "wb") as f:
-        try:
-            while True:
-                f.write(b"\0" * 65536)
-                f.flush()
-        except OSError as exc:
-            assert exc.errno == errno.ENOSPC
+    fd = os.open(directory / "ballast", os.O_WRONLY | os.O_CREAT | os.O_APPEND)
+    try:
+        for size in (65536, 4096, 1):  # to the last byte
+            try:
+                while True:
+                    os.write(fd, b"\0" * size)
+            except OSError as exc:
+                assert exc.errno == errno.ENOSPC
+    finally:
+        os.close(fd)
 
 
 @pytest.fixture
@@ -158,3 +162,15 @@ def test_a_full_disk_after_the_decision_commit_keeps_the_decision_everywhere(
     assert "report: the reports beside decision.json not written" in out.out
     assert not (tmp_path / "hook.log").exists()  # a decided run's weights are the phases' own
     assert not list((small_disk / "r1").glob(".*.tmp-*"))
+
+
+def test_a_pipeline_copy_that_fails_leaves_the_file_it_replaces_whole(tmp_path, small_disk):
+    run_dir = tmp_path / "r1"
+    run_dir.mkdir()
+    (run_dir / "decision.json").write_text(json.dumps({"decision": "rollback", "pad": "x" * 200_000}))
+    out = small_disk / "decision.json"
+    out.write_text('{"decision": "promote"}')  # the pipeline's copy from an earlier run
+    fill(small_disk)
+    assert cli._copy_out(run_dir, {"decision.json": out}) is False
+    assert json.loads(out.read_text()) == {"decision": "promote"}  # whole, never a truncated half
+    assert sorted(p.name for p in small_disk.iterdir()) == ["ballast", "decision.json"]  # no temporary file
