@@ -24,6 +24,7 @@ from rollout.judge import experiment_looks
 from rollout.judge.accuracy import judge_accuracy, judge_divergence
 from rollout.judge.config import GatesConfig
 from rollout.judge.experiment_looks import LookPlan, record_arm
+from rollout.judge.request_acceptance import spec_decode_of_counts
 from rollout.judge.verdicts import Decision, GateResult, Verdict, decide, is_enabled
 
 __all__ = ["ExperimentRun", "AccuracyRun", "look_ends", "run_experiment_looks", "run_accuracy_batches", "decide_trial", "cumulative_canary_spec", "accuracy_skips_experiment"]
@@ -110,20 +111,18 @@ def cumulative_canary_spec(
     ``accepted_per_position[i]`` are request ``request_ids[i]``'s)."""
     row = {rid: i for i, rid in enumerate(request_ids)}
     k = accepted_per_position.shape[1] if accepted_per_position.ndim == 2 else 0
-    per_record = np.zeros((len(records) + 1, 1 + k))
-    for j, record in enumerate(records, start=1):
-        i = row.get(record.request_id) if record_arm(record) == CANARY and record.ok else None
-        if i is not None:
-            per_record[j, 0] = drafts[i]
-            per_record[j, 1:] = accepted_per_position[i]
-    running = np.cumsum(per_record, axis=0)
+    # the canary requests' rows in completion order, and how many of them end before each record index
+    order = [row[r.request_id] for r in records
+             if record_arm(r) == CANARY and r.ok and r.request_id in row]
+    done_before = np.cumsum([0] + [record_arm(r) == CANARY and r.ok and r.request_id in row for r in records])
 
     def at(end: int) -> SpecDecodeStats:
-        d, positions = running[end, 0], running[end, 1:]
-        return SpecDecodeStats(
-            drafts=float(d), draft_tokens=float(d * k), accepted_tokens=float(positions.sum()),
-            accepted_per_position=tuple(float(x) for x in positions),
-        )
+        # per request, as the controller's own counters (the acceptance floor is clustered by request)
+        rows = order[: int(done_before[end])]
+        counted = spec_decode_of_counts(drafts[rows], accepted_per_position[rows].reshape(len(rows), k)) if rows and k else None
+        if counted is None:
+            return SpecDecodeStats(drafts=0.0, draft_tokens=0.0, accepted_tokens=0.0, accepted_per_position=(0.0,) * k)
+        return counted
 
     return at
 
