@@ -4,8 +4,9 @@
 an inconclusive run from a broken cluster. This command submits `python -m rollout run CONFIG`
 through Ray's Job SDK, follows the job's log to stdout, and exits with the run's code:
 0 promote, 3 rollback, 4 inconclusive, 1 infrastructure error, 2 bad config. The code is the
-run's final `mtp-canary: exit_code=N decision=X run_dir=DIR` line when the log has one, else
-the driver's exit code as Ray recorded it; a job stopped, or failed with no run code, is 1.
+run's final `mtp-canary: exit_code=N decision=X run_dir=DIR` line when the log has one and
+Ray's record of the driver's exit agrees with it (else 1, naming both), else the driver's exit
+code as Ray recorded it; a job stopped, or failed with no run code, is 1.
 
 Ray 2.60's token authentication: the token is read as Ray reads it (RAY_AUTH_TOKEN, the file
 RAY_AUTH_TOKEN_PATH names, or ~/.ray/auth_token) and sent as the Authorization header, so
@@ -49,6 +50,11 @@ RUN_CODES = {0, 2, 3, 4}  # what `rollout run` itself exits with; 1 is also its 
 FINAL_LINE = re.compile(r"^mtp-canary: exit_code=(\d+) decision=(\S+)(?: run_dir=(.*))?$")
 # Ray's working_dir upload is capped at 500 MiB; none of these is needed to run (.gitignore is honoured too)
 UPLOAD_EXCLUDES = [".venv", "runs", ".cache", ".git", "__pycache__", ".hypothesis", ".pytest_cache", "*.egg-info"]
+# nor these, which are secrets: the working_dir is stored on the cluster's head for anyone with job access
+SECRET_EXCLUDES = [".env", ".env.*", "*.env", "*.pem", "*.key", "*.p12", "*.pfx", "*.jks", "*.keystore",
+                   "kubeconfig", "*.kubeconfig", "kubeconfig*.y*ml", ".kube", ".ssh", "id_rsa*", "id_ecdsa*",
+                   "id_ed25519*", ".netrc", ".pgpass", ".aws", ".gcp", ".azure", ".docker", ".git-credentials",
+                   "*credentials*.json", "*service-account*.json"]
 DEFAULT_ADDRESS = "http://127.0.0.1:8265"
 DECISION_IN_LOG_ENV = "MTP_CANARY_DECISION_IN_LOG"
 DECISION_PREFIX = "mtp-canary: decision_json="
@@ -141,6 +147,14 @@ def outcome_of(job_id: str, status: str, driver_exit_code: int | None, message: 
     """The exit code of a job that ended (see the module docstring for the order of evidence)."""
     line = final_line(log)
     if line is not None and status in ("SUCCEEDED", "FAILED"):
+        # the line is what the run printed; Ray's record of how the driver exited must agree (a log
+        # line can be echoed by anything the run prints; a crash after it leaves it standing)
+        recorded = 0 if status == "SUCCEEDED" else driver_exit_code
+        if (recorded is not None and recorded != line[0]) or (status == "FAILED" and line[0] == 0):
+            said = "unknown" if recorded is None else recorded
+            return Outcome(job_id, status, EXIT_INFRASTRUCTURE, reason=(
+                f"job {job_id} {status}: the log's last line says exit_code={line[0]}, Ray recorded the driver's "
+                f"exit as {said}"))
         return Outcome(job_id, status, line[0], decision=line[1], run_dir=line[2])
     if status == "SUCCEEDED":
         return Outcome(job_id, status, 0)
@@ -223,7 +237,7 @@ def submit_entrypoint(address: str, entrypoint: list[str], working_dir: Path | N
     client = client_for(address)
     runtime_env = {"env_vars": {DECISION_IN_LOG_ENV: "1", "RAY_JOB_STOP_WAIT_TIME_S": JOB_STOP_WAIT_S}}
     if working_dir:
-        runtime_env.update(working_dir=str(working_dir), excludes=UPLOAD_EXCLUDES)
+        runtime_env.update(working_dir=str(working_dir), excludes=UPLOAD_EXCLUDES + SECRET_EXCLUDES)
     deadline = time.monotonic() + AGENT_WAIT_S
     while True:
         try:
