@@ -26,18 +26,25 @@ _mean_acceptance_length): the same series metrics.prom holds.
 
 Binding 127.0.0.1 by default, and off by default: a run opens no port it was not asked for, and
 a fixed port would collide between two runs on one head (port 0 takes a free one and the log
-says which).
+says which). Beyond loopback (`metrics.host: 0.0.0.0`) the series tell anyone on the network the
+run's gates and traffic as they are judged: the endpoint then needs a bearer token, taken from
+$MTP_CANARY_METRICS_TOKEN (Prometheus: `authorization: {credentials: ...}`), or it does not start.
 """
 
 from __future__ import annotations
 
+import hmac
+import ipaddress
+import os
 import sqlite3
 import threading
+from wsgiref.simple_server import make_server
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from prometheus_client import CollectorRegistry, start_http_server
+from prometheus_client import CollectorRegistry, make_wsgi_app
+from prometheus_client.exposition import ThreadingWSGIServer, _get_best_family, _SilentHandler
 from prometheus_client.core import GaugeMetricFamily
 from prometheus_client.registry import Collector
 
@@ -51,6 +58,30 @@ PHASES = ("prepare", "fleet", "preflight", "restore", "accuracy", "experiment", 
 LIVE_GATE_FAMILIES = {"mtp_canary_gate_status", "mtp_canary_gate_estimate", "mtp_canary_gate_interval",
                       "mtp_canary_gate_threshold"}
 ROUTER_TIMEOUT_S = 2.0  # a scrape must answer even while the router actor is busy or gone
+METRICS_TOKEN_ENV = "MTP_CANARY_METRICS_TOKEN"  # the bearer token scrapes need beyond loopback
+
+
+def _loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:
+        return False
+
+
+def _bearer_only(app, token: str):
+    """`app` answering only requests that carry `Authorization: Bearer token` (401 otherwise)."""
+    expected = f"Bearer {token}".encode()
+
+    def guarded(environ, start_response):
+        given = environ.get("HTTP_AUTHORIZATION", "").encode()
+        if not hmac.compare_digest(given, expected):
+            start_response("401 Unauthorized", [("Content-Type", "text/plain"), ("WWW-Authenticate", "Bearer")])
+            return [b"a bearer token is required\n"]
+        return app(environ, start_response)
+
+    return guarded
 
 
 def _gauge(name: str, text: str, *labels: str) -> GaugeMetricFamily:
@@ -175,13 +206,23 @@ class LiveMetrics:
 
     def __init__(self, store_path: Path, run_id: str, router_state: Callable[[], dict[str, Any] | None],
                  host: str = "127.0.0.1", port: int = 0, linger_s: float = 0.0) -> None:
+        token = os.environ.get(METRICS_TOKEN_ENV) or None
+        if token is None and not _loopback(host):
+            raise OSError(f"metrics.host {host} is beyond loopback and ${METRICS_TOKEN_ENV} is not set: set it "
+                          "(scrapes then need it as a bearer token) or serve the metrics on 127.0.0.1")
         self.collector = RunCollector(store_path, run_id, router_state)
         registry = CollectorRegistry(auto_describe=False)
         registry.register(self.collector)
+        app = make_wsgi_app(registry)
         try:
-            self._server, self._thread = start_http_server(port, addr=host, registry=registry)
+            family, addr = _get_best_family(host, port)
+            server_class = type("LiveMetricsServer", (ThreadingWSGIServer,), {"address_family": family})
+            self._server = make_server(addr, port, _bearer_only(app, token) if token else app, server_class,
+                                       handler_class=_SilentHandler)
         except OSError as exc:
             raise OSError(f"metrics.port {port} on {host}: {exc.strerror or exc}") from None
+        self._thread = threading.Thread(target=self._server.serve_forever, daemon=True)
+        self._thread.start()
         self.linger_s = linger_s
         self._stopped = threading.Event()
         bound_host, bound_port = self._server.server_address[:2]
