@@ -18,8 +18,7 @@ keeps its ``acceptance_histogram``: verify steps by the number of drafts accepte
   flag, or one that does not speculate): then the judge falls back to the server's
   counters, which can never pass the floor (no request-clustered interval).
 * `spec_decode_of_counts(drafts, accepted_per_position)`: the same from per-request
-  arrays, and `cumulative_spec_of_counts` those counters at every look (the
-  calibration's simulated requests).
+  arrays (the calibration's simulated requests).
 * `attribute(...)`: the server's counters over the phase against the requests'
   own. More verify steps on the server than the experiment's requests can account
   for (past the steps of requests it cannot see whole: cut off at the end, or begun
@@ -29,7 +28,7 @@ keeps its ``acceptance_histogram``: verify steps by the number of drafts accepte
 
 from __future__ import annotations
 
-from collections.abc import Callable, Sequence
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import numpy as np
@@ -37,7 +36,7 @@ import numpy as np
 from cluster.metrics import SpecDecodeStats
 from loadtests.records import RequestRecord
 
-__all__ = ["AcceptanceAttribution", "RequestSpecDecodeStats", "attribute", "cumulative_spec_of_counts", "spec_decode_of_counts",
+__all__ = ["AcceptanceAttribution", "RequestSpecDecodeStats", "attribute", "spec_decode_of_counts",
            "spec_decode_of_requests", "unseen_steps_bound"]
 
 #: Verify steps of other traffic, as a share of the server's, below which the arm counts as the experiment's
@@ -80,27 +79,6 @@ def spec_decode_of_counts(drafts: Sequence[float] | np.ndarray, accepted_per_pos
         accepted_per_position=tuple(float(x) for x in per_pos.sum(axis=0)),
         per_request=tuple(zip(d.tolist(), accepted.tolist())),
     )
-
-
-def cumulative_spec_of_counts(records: Sequence[RequestRecord], request_ids: Sequence[str], drafts: np.ndarray,
-                              accepted_per_position: np.ndarray, arm: str) -> Callable[[int], SpecDecodeStats]:
-    """``at(end)``: ``arm``'s counters over its ok requests among ``records[:end]``, each request's own kept
-    (``drafts[i]``, ``accepted_per_position[i]``: request ``request_ids[i]``'s); no such request yet: zero
-    drafts (the counters a scrape would show)."""
-    row = {rid: i for i, rid in enumerate(request_ids)}
-    rows = np.array([row.get(r.request_id, -1) if r.served_arm == arm and r.ok else -1 for r in records], dtype=int)
-    seen = np.concatenate([[0], np.cumsum(rows >= 0)])  # the arm's counted requests among the first j records
-    order = rows[rows >= 0]  # their rows, in completion order
-    per_pos = np.asarray(accepted_per_position, dtype=float)
-    k = per_pos.shape[1] if per_pos.ndim == 2 else 0
-    none_yet = SpecDecodeStats(accepted_per_position=(0.0,) * k)
-
-    def at(end: int) -> SpecDecodeStats:
-        taken = order[: int(seen[end])]
-        counters = spec_decode_of_counts(np.asarray(drafts)[taken], per_pos[taken]) if taken.size else None
-        return counters if counters is not None else none_yet
-
-    return at
 
 
 def spec_decode_of_requests(records: Sequence[RequestRecord], arm: str) -> RequestSpecDecodeStats | None:
