@@ -153,6 +153,17 @@ def test_the_gpu_config_is_warned_that_its_accuracy_margin_is_below_what_it_can_
     accuracy = next(e for e in effects if e.gate == "accuracy_noninferiority")
     assert 0.02 < accuracy.failed_at < 0.03 and not accuracy.decidable
     assert "accuracy_margin 0.01 is below what 1,319 items can decide" in accuracy.warning
+    # what the warning says would decide it: at that margin an unchanged canary passes about 80% of runs
+    needed = float(accuracy.warning.split("needs a margin >= ")[1].split()[0])
+    cfg_needed = GatesConfig(accuracy_margin=needed, enabled=["accuracy_noninferiority"])
+    rng, trials = np.random.default_rng(9), 400
+    rate = np.mean([judge_accuracy(*paired(rng, 1319, 0.03, 0.0), cfg_needed, look=1, max_looks=1).verdict is Verdict.PASS
+                    for _ in range(trials)])
+    assert within(rate, 0.8, trials), (needed, rate)
+    # a golden set's arms agree unless the canary breaks them: the demo's 64 items decide its 0.05 margin
+    demo = detectable_effects(power_plan(load_config(REPO / "configs" / "local-cpu.yaml")),
+                              PowerAssumptions(objective_trials=0))
+    assert next(e for e in demo if e.gate == "accuracy_noninferiority").decidable
     lines = power.render(effects)
     assert any(line.startswith("power: WARNING: accuracy_margin 0.01") for line in lines)
     assert {e.gate for e in effects} == {"accuracy_noninferiority", "tpot_p50_improvement", "error_rate_guard",

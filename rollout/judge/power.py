@@ -15,8 +15,8 @@ conservative), under assumptions stated in each line (`PowerAssumptions`):
   baseline right'. Tango's bounds (the gate's) exactly over the discordant counts;
   one analysis of all items (as the accuracy phase judges): pass at z(alpha), fail
   at z(alpha * (1 - early_stop_alpha_fraction)) (the always-valid early rule adds
-  power to the fail side; not counted). What a margin would need (the warning) is
-  the normal approximation, per-item variance q + d - d^2.
+  power to the fail side; not counted). What a margin would need (the warning) by
+  the same sums.
 * tpot_p50_improvement: the gate's own bounds (``judge_latency``, drift-robust over
   the looks) on simulated A/A runs of iid lognormal requests, shifted by log(ratio)
   (the ratio of quantiles is equivariant): exact for that world, and said as the
@@ -96,6 +96,8 @@ class PowerPlan(BaseModel):
     planned_looks: int = 1
     output_tokens: int | None = Field(None, description="output tokens per experiment request (ignore_eos)")
     speculative_tokens: int = Field(0, description="the canary's num_speculative_tokens")
+    discordance: float | None = Field(None, gt=0.0, lt=1.0, description="the eval's no-change discordance, where the "
+                                      "eval kind knows better than PowerAssumptions (None: the assumption's)")
 
 
 class DetectableEffect(BaseModel):
@@ -160,11 +162,25 @@ def accuracy_fail_probability(drop: float, items: int, margin: float, discordanc
     return _paired_bound_probability(drop, items, margin, discordance, z_fail, "fail")
 
 
+def _items_to_pass(margin: float, q: float, z_pass: float, power: float, start: int) -> int | None:
+    """About how many items an unchanged canary needs to pass with ``power`` (doubling, then bisection: the
+    exact probability is close to monotone in the items); None past a million."""
+    lo, hi = start, start
+    while accuracy_pass_probability(0.0, hi, margin, q, z_pass) < power:
+        lo, hi = hi, hi * 2
+        if hi > 1_000_000:
+            return None
+    while hi - lo > max(1, lo // 100):
+        mid = (lo + hi) // 2
+        lo, hi = (mid, hi) if accuracy_pass_probability(0.0, mid, margin, q, z_pass) < power else (lo, mid)
+    return hi
+
+
 def _accuracy(plan: PowerPlan, a: PowerAssumptions) -> DetectableEffect:
-    cfg, n, q, margin = plan.gates, int(plan.eval_items or 0), a.discordance, plan.gates.accuracy_margin
+    q = plan.discordance if plan.discordance is not None else a.discordance
+    cfg, n, margin = plan.gates, int(plan.eval_items or 0), plan.gates.accuracy_margin
     z_pass = _z(cfg.alpha)
     z_fail = _z(cfg.alpha * (1.0 - cfg.early_stop_alpha_fraction))
-    zb = _z(1.0 - a.power)
     hi = 1.0 - q / 2  # a drop cannot exceed the items the baseline alone can get right
     reachable = accuracy_fail_probability(hi, n, margin, q, z_fail) >= a.power
     fail_at = optimize.brentq(lambda d: accuracy_fail_probability(d, n, margin, q, z_fail) - a.power, margin, hi) if reachable else None
@@ -180,8 +196,9 @@ def _accuracy(plan: PowerPlan, a: PowerAssumptions) -> DetectableEffect:
         text += (f"; a drop of <= {_points(pass_at)} points is passed with {a.power:.0%} power; drops between are not "
                  f"decidable at margin {margin:g}")
     else:
-        needed_margin = (z_pass + zb) * math.sqrt(q / n)
-        needed_items = math.ceil((z_pass + zb) ** 2 * q / margin**2) if margin > 0 else None
+        needed_margin = optimize.brentq(lambda m: accuracy_pass_probability(0.0, n, m, q, z_pass) - a.power, margin, 1.0,
+                                        xtol=1e-4)
+        needed_items = _items_to_pass(margin, q, z_pass, a.power, max(n, 1)) if margin > 0 else None
         unchanged = accuracy_pass_probability(0.0, n, margin, q, z_pass)
         text += (f"; no smaller drop is decidable at margin {margin:g}: even an unchanged canary passes only "
                  f"{unchanged:.0%} of runs")
@@ -267,10 +284,6 @@ def _objective(plan: PowerPlan, a: PowerAssumptions) -> DetectableEffect:
 
 
 # -- the error-rate guardrail --------------------------------------------------------------------
-def _error_se(p0: float, p1: float, n: int, deff: float) -> float:
-    return math.sqrt(deff * (p0 * (1 - p0) + p1 * (1 - p1)) / n)
-
-
 def _support(n: int, p: float) -> tuple[np.ndarray, np.ndarray]:
     """The counts of Binomial(n, p) outside 1e-9 tails and their probabilities."""
     lo, hi = scipy_stats.binom.ppf(1e-9, n, p), scipy_stats.binom.isf(1e-9, n, p)
@@ -300,7 +313,7 @@ def _error_rate(plan: PowerPlan, a: PowerAssumptions) -> DetectableEffect:
     cfg, n, looks, p0 = plan.gates, int(plan.requests_per_arm or 0), plan.planned_looks, a.baseline_error_rate
     margin, deff = cfg.error_rate_max_increase, a.error_design_effect
     guardrails = max(sum(is_enabled(g, cfg) for g in GUARDRAIL_NAMES), 1)
-    z_pass, zb = _final_z(cfg.alpha, looks, cfg), _z(1.0 - a.power)
+    z_pass = _final_z(cfg.alpha, looks, cfg)
     z_fail = _final_z(cfg.alpha / guardrails, looks, cfg)
 
     def fail_probability(increase: float) -> float:
@@ -318,7 +331,8 @@ def _error_rate(plan: PowerPlan, a: PowerAssumptions) -> DetectableEffect:
     if decidable:
         text += f"an increase of <= {_points(pass_at)} points is passed with {a.power:.0%} power"
     else:
-        needed = (z_pass + zb) * _error_se(p0, p0, n, deff)
+        needed = optimize.brentq(lambda m: error_pass_probability(0.0, n, m, p0, z_pass, deff) - a.power, margin, 1.0,
+                                 xtol=1e-5)
         text += f"even an unchanged canary passes only {unchanged:.0%} of runs at max increase {margin:g}"
         warning = (f"error_rate_max_increase {margin:g} is below what {n:,} requests per arm can decide: an unchanged "
                    f"canary passes {unchanged:.0%} of runs (not {a.power:.0%}); {a.power:.0%} needs >= {needed:.3g} "
