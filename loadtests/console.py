@@ -9,8 +9,9 @@ one that changes the load, and none of Locust's controls while mtp-canary drives
 
 `loadtests` never imports `rollout` (and Locust never runs next to Ray), so the master
 learns the run from its environment (`console_spec` puts it there) and asks the CLI in a
-subprocess: `python -m rollout status RUN_ID --json` for the live document (cached for
-CACHE_S, refreshed in the background, so page polls do not fork a process each time), and
+subprocess: one `python -m rollout status RUN_ID --watch --json` for the live document,
+running only while a page shows the Rollout tab (it reads the store every CACHE_S in that one
+process; page polls never fork one), and
 `python -m rollout promote|abort RUN_ID` for the buttons, which therefore act exactly as
 those commands do (a command queued in the run's SQLite store).
 
@@ -47,7 +48,8 @@ RUNS_DIR_ENV = "MTP_CANARY_CONSOLE_RUNS_DIR"
 TAB_KEY = "mtp-console"
 TAB_TITLE = "Rollout"
 ROUTE = "/mtp-console"
-CACHE_S = 2.0  # the UI polls every 2 s: at most one `status` process per poll interval, however many pages
+CACHE_S = 2.0  # the UI polls every 2 s: the watching `status` process reads the store as often
+IDLE_S = 10.0  # no Rollout tab polled this long: the watching process is stopped
 STATUS_TIMEOUT_S = 30.0
 COMMANDS = ("promote", "abort")
 # the columns of the tab's table (Locust renders each cell as text: React escapes it). Locust
@@ -179,51 +181,128 @@ def _first_line(text: str) -> str:
 
 
 class StatusSource:
-    """The run's status document, at most CACHE_S old when asked, fetched by a `status` subprocess.
+    """The run's status document, kept fresh by one `status --watch --json` process while a page
+    shows the Rollout tab (its panel polls `/mtp-console/status`), and by nothing otherwise.
 
-    A stale answer starts one refresh in the background and is returned meanwhile (a page
-    poll never waits for a process, except the very first one, which has nothing to show)."""
+    That process reads the store every CACHE_S and prints the document when it changes, so a
+    shown tab costs one sleeping process, not a process started every poll; Locust's own 2 s
+    polls of `/stats/requests` (every open page, whatever tab) only read the cached document.
+    Without a tab polling for IDLE_S the process is stopped."""
 
-    def __init__(self, settings: ConsoleSettings, ttl_s: float = CACHE_S,
-                 run: Callable[..., subprocess.CompletedProcess] = subprocess.run) -> None:
+    def __init__(self, settings: ConsoleSettings, idle_s: float = IDLE_S,
+                 popen: Callable[..., subprocess.Popen] = subprocess.Popen) -> None:
         self.settings = settings
-        self.ttl_s = ttl_s
-        self._run = run
+        self.idle_s = idle_s
+        self._popen = popen
         self._lock = threading.Lock()
-        self._refresh: threading.Thread | None = None
-        self._fetched_at = float("-inf")
+        self._proc: subprocess.Popen | None = None
+        self._started_at = float("-inf")
+        self._asked_at = float("-inf")
+        self._first = threading.Event()  # set once a document (or the reason there is none) is known
         self.status: ConsoleStatus | None = None
         self.problem: str | None = None
-        self.fetches = 0
+        self.fetches = 0  # `status` processes started so far
+
+    def cached(self) -> tuple[ConsoleStatus | None, str | None]:
+        """What is known now; starts nothing (for Locust's own polls of every page)."""
+        return self.status, self.problem
 
     def current(self) -> tuple[ConsoleStatus | None, str | None]:
+        """The tab is shown: keep the watching process running; the first call waits for a document."""
         with self._lock:
-            stale = time.monotonic() - self._fetched_at > self.ttl_s
-            if stale and (self._refresh is None or not self._refresh.is_alive()):
-                self._refresh = threading.Thread(target=self._fetch, name="console-status", daemon=True)
-                self._refresh.start()
-            refresh, first = self._refresh, self.status is None and self.problem is None
-        if first and refresh is not None:
-            refresh.join(STATUS_TIMEOUT_S)
+            now = time.monotonic()
+            self._asked_at = now
+            gone = self._proc is None or self._proc.poll() is not None
+            if gone and now - self._started_at > CACHE_S:  # an ended run's watch is not restarted every poll
+                self._start()
+        if not self._first.is_set():
+            self._first.wait(STATUS_TIMEOUT_S)
         return self.status, self.problem
 
     def invalidate(self) -> None:
-        with self._lock:
-            self._fetched_at = float("-inf")
+        """After a command: the watching process shows its effect at its next read (CACHE_S)."""
 
-    def _fetch(self) -> None:
+    def stop(self) -> None:
+        with self._lock:
+            proc, self._proc = self._proc, None
+        if proc is not None and proc.poll() is None:
+            proc.terminate()
+            try:
+                proc.wait(5)
+            except subprocess.TimeoutExpired:
+                proc.kill()
+
+    def _start(self) -> None:
         self.fetches += 1
+        self._started_at = time.monotonic()
+        command = self.settings.cli("status", self.settings.run_id, "--watch", "--json", "--interval-s", f"{CACHE_S:g}")
         try:
-            done = self._run(self.settings.cli("status", self.settings.run_id, "--json"),
-                             capture_output=True, text=True, timeout=STATUS_TIMEOUT_S)
-            if done.returncode != 0:
-                raise RuntimeError(_first_line(done.stderr) or f"`status` exited with code {done.returncode}")
-            self.status, self.problem = ConsoleStatus.model_validate(json.loads(done.stdout)), None
-        except (OSError, subprocess.SubprocessError, RuntimeError, ValueError, ValidationError) as exc:
+            proc = self._popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+                               stdin=subprocess.DEVNULL, preexec_fn=_die_with_parent)
+        except OSError as exc:
+            self.problem = f"mtp-canary status could not run: {exc}"
+            self._first.set()
+            return
+        self._proc = proc
+        threading.Thread(target=self._read, args=(proc,), name="console-status", daemon=True).start()
+        threading.Thread(target=self._stop_when_idle, args=(proc,), name="console-idle", daemon=True).start()
+
+    def _read(self, proc: subprocess.Popen) -> None:
+        lines: list[str] = []
+        read_any = False
+        assert proc.stdout is not None
+        for line in proc.stdout:
+            if line.startswith("--- "):  # --watch: a time line before each document
+                lines = []
+                continue
+            lines.append(line)
+            if line.rstrip() == "}":  # the document's last line (indented JSON): take it now, not at the next change
+                read_any |= self._take(lines)
+                lines = []
+        read_any |= self._take(lines)
+        code = proc.wait()
+        stderr = proc.stderr.read() if proc.stderr is not None else ""
+        if not read_any and code != 0:
+            # (with a document, the exit code is the run's own: `status --watch` exits as `run` did)
+            self.problem = f"mtp-canary status failed: {_first_line(stderr) or f'exit code {code}'}"
+        self._first.set()
+
+    def _take(self, lines: list[str]) -> bool:
+        text = "".join(lines).strip()
+        if not text:
+            return False
+        try:
+            self.status, self.problem = ConsoleStatus.model_validate(json.loads(text)), None
+        except (ValueError, ValidationError) as exc:
             # keep the last good document on screen; say why it is not fresh
             self.problem = f"mtp-canary status failed: {_first_line(str(exc)) or type(exc).__name__}"
-        with self._lock:
-            self._fetched_at = time.monotonic()
+        self._first.set()
+        return True
+
+    def _stop_when_idle(self, proc: subprocess.Popen) -> None:
+        while proc.poll() is None:
+            time.sleep(1.0)
+            if time.monotonic() - self._asked_at > self.idle_s:
+                with self._lock:
+                    if self._proc is proc:
+                        self._proc = None
+                proc.terminate()
+                try:
+                    proc.wait(5)
+                except subprocess.TimeoutExpired:
+                    proc.kill()
+                return
+
+
+def _die_with_parent() -> None:
+    """In the `status` child: end with the Locust master (Linux), never outlive it."""
+    try:
+        import ctypes
+        import signal
+
+        ctypes.CDLL("libc.so.6", use_errno=True).prctl(1, signal.SIGTERM)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
 
 
 def send_command(settings: ConsoleSettings, command: str,
@@ -352,6 +431,7 @@ def install(environment: Any, settings: ConsoleSettings | None = None) -> bool:
 
     guard(environment)  # once per UI: the locustfile guards every master's UI, with or without a run
     source = StatusSource(settings)
+    environment.events.quitting.add_listener(lambda **_kwargs: source.stop())
     web_ui.template_args["extendedTabs"] = [{"title": TAB_TITLE, "key": TAB_KEY}]
     web_ui.template_args["extendedTables"] = [{"key": TAB_KEY, "structure": COLUMNS}]
     app = web_ui.app
@@ -362,7 +442,7 @@ def install(environment: Any, settings: ConsoleSettings | None = None) -> bool:
         if request.endpoint == "locust.request_stats" and response.status_code == 200 and response.is_json \
                 and not cross_origin(request.headers, request.host):  # Locust's own stats stay open as Locust makes them; the Rollout rows do not
             body = response.get_json()
-            status, problem = source.current()
+            status, problem = source.cached()  # every page polls this: it starts nothing
             body["extended_stats"] = [{"key": TAB_KEY, "data": console_rows(status, problem)}]
             response.set_data(json.dumps(body))
         elif request.endpoint == "locust.index" and response.status_code == 200 and response.mimetype == "text/html":
@@ -387,7 +467,7 @@ def install(environment: Any, settings: ConsoleSettings | None = None) -> bool:
             "paused": bool(status and status.paused),
             "problem": problem,
             "token_required": bool(settings.token),
-            "status_fetches": source.fetches,  # `status` processes started so far (the cache at work)
+            "status_fetches": source.fetches,  # `status` processes started so far (one watches while shown)
             "rows": console_rows(status, problem),
         })
 
@@ -399,6 +479,12 @@ def install(environment: Any, settings: ConsoleSettings | None = None) -> bool:
         refused = refusal(request.headers, request.host, settings.token)
         if refused is not None:
             return jsonify({"ok": False, "message": refused[1]}), refused[0]
+        if command == "promote":
+            # a Promote continues a step paused now; sent while running it would approve a later pause
+            status, _ = source.current()
+            if status is None or not status.paused or status.status != "running":
+                return jsonify({"ok": False, "message": "the run is not paused: Promote continues a paused step "
+                                                        "only"}), 409
         ok, message = send_command(settings, command)
         source.invalidate()
         return jsonify({"ok": ok, "message": message}), 200 if ok else 409
@@ -458,7 +544,8 @@ CONSOLE_JS = r"""
         runId = doc.run_id;
         title.textContent = "run " + doc.run_id + ": " + (doc.state || "unknown") + (doc.problem ? " (" + doc.problem + ")" : "");
         token.style.display = doc.token_required ? "block" : "none";
-        promote.disabled = abort.disabled = !doc.running;
+        abort.disabled = !doc.running;
+        promote.disabled = !(doc.running && doc.paused);  // Promote continues a paused step only
       })
       .catch(function (e) { title.textContent = "console unavailable: " + e; });
   }

@@ -177,6 +177,9 @@ def _watch_and_abort(binary: str, base: str, h, errors: list[str], dialogs: list
         _wait_for(lambda: _row(page, "canary weight")[1:2] == ["30%"], 60, "canary weight 30%",
                   seen=lambda: _shown(page))
         assert _wait_for(lambda: _row(page, "pending commands"), 30, "the commands row")[1] == "none"
+        # running, not paused: Abort is offered, Promote is not (it continues a paused step only)
+        _wait_for(lambda: page.locator("#mtp-console-abort").is_enabled(), 30, "the Abort button")
+        assert page.locator("#mtp-console-promote").is_disabled()
         # it updates between looks: the look number moves on and each guard's row comes with it
         first = int(_wait_for(lambda: _look(page), 60, "a first look", seen=lambda: _shown(page)))
         later = int(_wait_for(lambda: (look := _look(page)) and int(look) > first and look, 60, "a later look",
@@ -266,6 +269,13 @@ def test_a_router_token_guards_the_commands_and_page_polls_share_one_status_proc
                                   headers={**headers, "Authorization": "Bearer wrong"})
             assert wrong.status_code == 401
             assert store.commands("tok") == []
+            # a Promote while the run is not paused is refused (it would approve a later pause)
+            early = requests.post(f"{base}/mtp-console/promote", timeout=60,
+                                  headers={**headers, "Authorization": "Bearer s3cret-token"})
+            assert early.status_code == 409 and "not paused" in early.json()["message"], early.text
+            assert store.commands("tok") == []
+            store.add_event("tok", "progressive", "pause", "paused for approval")
+            _wait_for(lambda: (status() or {}).get("paused"), 30, "the console to see the pause")
             sent = requests.post(f"{base}/mtp-console/promote", timeout=60,
                                  headers={**headers, "Authorization": "Bearer s3cret-token"})
             assert sent.status_code == 200 and sent.json()["ok"], sent.text

@@ -220,8 +220,9 @@ def with_console(ctx: RunContext, spec: SwarmSpec, phase: str) -> SwarmSpec:
     exp = ctx.cfg.experiment
     if not exp.web_ui:
         return spec
-    if not is_loopback(exp.web_host) and not ctx.router.client_env():
-        # the console's Promote / Abort would answer anyone who reaches the port
+    if not is_loopback(exp.web_host) and ctx.cfg.router.auth_token() is None:
+        # the console's Promote / Abort would answer anyone who reaches the port; a token made for the
+        # run (beyond loopback the router gets one) is one the operator cannot type into the console
         raise InfrastructureError(
             f"experiment.web_host {exp.web_host} is beyond loopback and the run has no router token: set "
             f"{ctx.cfg.router.auth_token_env} (the console's buttons then need it) or serve the UI on 127.0.0.1"
