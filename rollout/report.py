@@ -234,6 +234,16 @@ def _latency(doc: dict[str, Any]) -> list[str]:
         counts = ", ".join(f"{arm} {n}" for arm, n in (exp.get("warmup_requests") or {}).items())
         lines.append(f"\nWarm-up: the first {exp['warmup_requests_per_arm']} completed requests of every arm "
                      f"({counts}) are stored, not judged, and not in the table above.")
+    if exp.get("judged_load"):  # absent from runs written before it
+        lines.append(f"\nJudged load: {exp['judged_load']['text']}. The verdict holds at this load.")
+    if dep := exp.get("dependence"):
+        ac = dep["autocorrelation"]
+        lines.append(
+            f"\nDependence across {dep['looks']} looks (TPOT p50): lag-1 autocorrelation baseline {_num(ac.get('baseline'))}, "
+            f"canary {_num(ac.get('canary'))}, contrast {_num(ac.get('contrast'))}; design effect over independent looks "
+            f"{_num(dep.get('design_effect'))}. The intervals hold for look-to-look correlation up to "
+            f"{dep['look_correlation_max']:g} (gates.look_correlation_max)."
+        )
     if exp.get("generator_warnings"):
         lines += ["", "**The load generator limited the load** (latencies include client-side delay):", ""]
         lines += [f"- {w}" for w in exp["generator_warnings"]]

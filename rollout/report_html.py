@@ -259,6 +259,14 @@ def _looks(doc: dict[str, Any], run_dir: Path) -> list[str]:
     rows = [[k["look"], _num(k.get("information")), ", ".join(f"{a} {n}" for a, n in (k.get("requests") or {}).items()),
              *(k.get("verdicts", {}).get(name, "") for name in names)] for k in looks]
     out.append(_table(["look", "information", "new requests", *names], rows))
+    if load := exp.get("judged_load"):
+        out.append(_note(f"Judged load: {load['text']}. The verdict holds at this load."))
+    if dep := exp.get("dependence"):
+        ac = dep["autocorrelation"]
+        out.append(_note(
+            f"Dependence across {dep['looks']} looks (TPOT p50): lag-1 autocorrelation baseline {_num(ac.get('baseline'))}, "
+            f"canary {_num(ac.get('canary'))}, contrast {_num(ac.get('contrast'))}; design effect over independent looks "
+            f"{_num(dep.get('design_effect'))}; intervals hold for look-to-look correlation up to {dep['look_correlation_max']:g}."))
     if doc.get("candidates"):
         return out + [_note("Several candidates: each look's verdicts are above, per candidate; the replay that draws "
                             "the objective's interval at every look judges one canary and is not drawn here.")]

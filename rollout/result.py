@@ -21,6 +21,7 @@ from rollout.config import RolloutConfig
 from rollout.crossover import Crossing, LevelResult
 from rollout.depth_advice import DepthAdvice
 from rollout.judge.goodput import ArmGoodput
+from rollout.judge.latency import LookDependence
 from rollout.judge.noise_floor import NoiseFloor
 from rollout.judge.power import DetectableEffect
 from rollout.judge.verdicts import Decision, GateResult
@@ -111,6 +112,16 @@ class SweepCrossover(Summary):
     adaptive: bool  # the levels were picked by the adaptive sweep (experiment.sweep.adaptive)
 
 
+class JudgedLoad(Summary):
+    """The load the latency verdict is about: what each replica of every arm was offered while it was judged."""
+
+    kind: str  # closed_loop | open_loop | trace
+    streams_per_replica: int | None  # closed loop: requests in flight per replica (a trace: at most)
+    rate_per_replica: float | None  # open loop: requests/s offered to each replica
+    arm_users: bool  # each stream kept one arm: both arms held the same streams (else each request took the next arm)
+    text: str
+
+
 class ExperimentSummary(Summary):
     looks: list[LookSummary]
     planned_looks: int
@@ -142,10 +153,15 @@ class ExperimentSummary(Summary):
     # TPOT predicted for every MTP depth up to the deepest arm's (rollout.depth_advice); absent when the arms
     # do not run two depths or a profile is missing
     depth_advice: DepthAdvice | None = None
+    # the load the verdict is about (rollout.phases.experiment_loop.judged_load) and how much the TPOT p50
+    # persisted across looks (rollout.judge.latency.look_dependence); absent in runs written before them
+    judged_load: JudgedLoad | None = None
+    dependence: LookDependence | None = None
 
     def document(self) -> dict[str, Any]:
         absent: dict[str, Any] = {name: True for name in ("sweep", "sweep_crossover", "goodput", "noise_floor",
-                                                          "depth_advice") if getattr(self, name) is None}
+                                                          "depth_advice", "judged_load", "dependence")
+                                  if getattr(self, name) is None}
         if all(look.goodput is None for look in self.looks):  # no SLO: no per-look goodput, as no goodput
             absent["looks"] = {"__all__": {"goodput"}}
         return self.model_dump(mode="json", exclude=absent or None)

@@ -59,7 +59,13 @@ def key_paths(value, prefix: str = "") -> set[str]:
 ADDED_CPU_FIELDS = {"worker_process": False}
 # tiny-model options added since (tiny_model.draft_decay: the layer-reuse profile)
 ADDED_TINY_MODEL_FIELDS = {"draft_decay": 0.0}
-ADDED_EXPERIMENT_FIELDS = {"arm_users": False, "warmup_requests_per_arm": 0, "warmup_requests": {}}
+ADDED_EXPERIMENT_FIELDS = {
+    "arm_users": False, "warmup_requests_per_arm": 0, "warmup_requests": {},
+    # the judged load and the TPOT p50's dependence across looks, written since (their key paths)
+    "judged_load": {"kind": "closed_loop", "streams_per_replica": 2, "rate_per_replica": None, "arm_users": False, "text": ""},
+    "dependence": {"looks": 0, "autocorrelation": {"baseline": None, "canary": None, "contrast": None},
+                   "design_effect": None, "look_correlation_max": 0.5},
+}
 # each look's prefix-cache counters per arm, recorded since (for `mtp-canary judge`'s prefix-cache gate)
 ADDED_LOOK_PREFIX_CACHE = {"baseline": None, "canary": None}
 # whose acceptance each arm's spec_decode is (rollout.judge.request_acceptance), unknown in the recorded runs
@@ -87,6 +93,8 @@ def recorded_document(run: str) -> dict:
     doc["gates_config"] = GatesConfig(**doc["gates_config"]).model_dump(mode="json")
     if doc.get("experiment"):
         doc["experiment"] = {**doc["experiment"], **{k: v for k, v in ADDED_EXPERIMENT_FIELDS.items() if k not in doc["experiment"]}}
+        if not doc["experiment"]["warmup_requests"]:  # a warm-up of one look is the default since: each arm's count
+            doc["experiment"]["warmup_requests"] = {"baseline": 0, "canary": 0}
         for look in doc["experiment"].get("looks") or []:
             look.setdefault("prefix_cache", dict(ADDED_LOOK_PREFIX_CACHE))
         if doc["experiment"].get("sweep") and "sweep_crossover" not in doc["experiment"]:

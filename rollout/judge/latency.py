@@ -47,6 +47,8 @@ from functools import lru_cache
 
 import numpy as np
 
+import pydantic
+from pydantic import Field
 from scipy import special
 
 from loadtests.records import RequestRecord
@@ -74,6 +76,8 @@ __all__ = [
     "RUN_BLOCK_REQUESTS",
     "RatioBounds",
     "tpot_p50_ratio_bounds",
+    "LookDependence",
+    "look_dependence",
 ]
 
 #: Block length, in consecutive samples, when the samples carry no look ids.
@@ -1103,4 +1107,34 @@ def tpot_p50_ratio_bounds(
         deff=bounds.deff,
         blocks=bounds.blocks,
         why_not=bounds.why_not,
+    )
+
+
+class LookDependence(pydantic.BaseModel):
+    """How much the TPOT p50 of each arm persists from look to look (decision.json's ``experiment.dependence``)."""
+
+    looks: int = Field(description="Looks with samples of both arms.")
+    autocorrelation: dict[str, float | None] = Field(
+        description="Lag-1 autocorrelation of each arm's per-look share of its TPOT p50's error, and of their "
+        "contrast (canary - baseline): near 0 when looks are independent, positive when a level persists."
+    )
+    design_effect: float | None = Field(
+        description="The contrast's drift-robust variance over the variance that treats looks as independent "
+        "(above 1: persistence the intervals widened for)."
+    )
+    look_correlation_max: float = Field(description="The look-to-look correlation the critical values hold for.")
+
+
+def look_dependence(baseline: LatencySamples, canary: LatencySamples, cfg: GatesConfig) -> LookDependence | None:
+    """The TPOT p50's dependence across looks as the objective's intervals see it (None without looks in both)."""
+    b_series, c_series = _arm_series(baseline, "tpot_s"), _arm_series(canary, "tpot_s")
+    if b_series.looks is None or c_series.looks is None or not (b_series.values.size and c_series.values.size):
+        return None
+    pair = _pair_arms(b_series.up_to(None, 0.5), c_series.up_to(None, 0.5), 0.5, cfg.look_correlation_max)
+    if not math.isfinite(pair.pairing):
+        return None
+    rb, rc, rd = (finite_or_none(r) for r in pair.autocorrelation)
+    return LookDependence(
+        looks=pair.looks, autocorrelation={"baseline": rb, "canary": rc, "contrast": rd},
+        design_effect=finite_or_none(pair.drift_factor), look_correlation_max=cfg.look_correlation_max,
     )

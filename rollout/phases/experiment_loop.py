@@ -59,6 +59,7 @@ from rollout.judge.experiment_looks import (
     warmup_end,
 )
 from rollout.judge.goodput import goodput_by_arm
+from rollout.judge.latency import look_dependence
 from rollout.judge.noise_floor import NoiseFloor
 from rollout.judge.prefix_cache import PrefixCacheLooks
 from rollout.judge.request_acceptance import (
@@ -100,6 +101,25 @@ def duty_cycle(records: Sequence[RequestRecord], start: float, end: float) -> fl
 
 
 # -- the phase ----------------------------------------------------------------------
+def judged_load(exp: ExperimentConfig) -> dict[str, Any]:
+    """The load the latency verdict is about (decision.json's ``experiment.judged_load``): what each replica of
+    every arm was offered in the judged looks. The verdict holds at this load; speculation's gain shrinks as
+    the load grows (the sweep, when configured, measures how)."""
+    if exp.dataset == "trace":
+        kind, streams, rate = "trace", exp.users_per_replica, None
+        text = f"a trace replayed open loop at x{exp.trace_speedup:g}, at most {streams} requests in flight per replica"
+    elif exp.rate_per_replica:
+        kind, streams, rate = "open_loop", None, float(exp.rate_per_replica)
+        text = f"open loop, {rate:g} requests/s offered to each replica of every arm"
+    else:
+        kind, streams, rate = "closed_loop", exp.users_per_replica, None
+        text = f"closed loop, {streams} streams in flight per replica of every arm"
+        text += (" (each stream keeps one arm)" if exp.arm_users
+                 else " (each request takes the next arm: the slower arm holds more of the streams in flight)")
+    return {"kind": kind, "streams_per_replica": streams, "rate_per_replica": rate,
+            "arm_users": bool(exp.arm_users and kind == "closed_loop"), "text": text}
+
+
 @dataclass
 class ExperimentContext:
     """What the phase needs from the controller (callables keep it testable)."""
@@ -482,4 +502,14 @@ class ExperimentPhase:
             "duration_s": time.monotonic() - started,
             "generator_warnings": generator_warnings,
             "generator_send_lag_p99_ms": percentile_ms([r.send_lag_s for r in self.records if r.send_lag_s is not None], 99),
+            "judged_load": judged_load(self.ctx.config),
+            "dependence": self._dependence(),
         }
+
+    def _dependence(self) -> dict[str, Any] | None:
+        """How much the TPOT p50 persisted across the judged looks (None before two looks of both arms)."""
+        if not self.records or self.ctx.candidates:  # candidates: each has its own view of the baseline's looks
+            return None
+        found = look_dependence(latency_samples(self.records, self.looks_of, BASELINE),
+                                latency_samples(self.records, self.looks_of, CANARY), self.ctx.gates)
+        return found.model_dump(mode="json") if found is not None else None
