@@ -157,7 +157,8 @@ class Controller:
     def _interrupted(self, exc: KeyboardInterrupt) -> None:
         """A signal ended the run: an error (exit 130) naming it; a cause found before it stays first."""
         ctx, result = self.ctx, self.ctx.result
-        name = exc.signal_name if isinstance(exc, Interrupted) else "SIGINT"
+        # Ray's waits may raise a plain KeyboardInterrupt for the signal: the handler noted which one it was
+        name = exc.signal_name if isinstance(exc, Interrupted) else INTERRUPTS.received or "SIGINT"
         result.interrupted = name
         result.error = f"interrupted by {name}" if result.error is None else f"{result.error}; then interrupted by {name}"
         ctx.say(f"interrupted by {name}: traffic back to the stable config, then teardown")

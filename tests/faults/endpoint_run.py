@@ -34,7 +34,7 @@ FINAL_LINE = "mtp-canary: exit_code="
 
 
 def run_config(tmp_path: Path, baseline_url: str, canary_url: str, *, hook: bool = True, progressive: bool = False,
-               requests_per_arm: int = 2000, engine_startup_s: float = 30, **extra: Any) -> Path:
+               requests_per_arm: int = 400, engine_startup_s: float = 30, **extra: Any) -> Path:
     """A run config over two servers that already run; a weight hook appending each weight to hook.log."""
     data: dict[str, Any] = {
         "name": "fault",

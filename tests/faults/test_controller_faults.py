@@ -63,7 +63,7 @@ def test_sigterm_mid_experiment_ends_as_ctrl_c_and_a_second_one_does_not_cut_the
         # the gateway takes 3 s to answer the way back to 0: the second SIGTERM lands inside the teardown
         run = CliRun(tmp_path, run_config(tmp_path, base.url, cand.url), env={HOOK_AT_0_S: "3"})
         try:
-            run.wait_for("completed requests baseline")  # the experiment's load flows
+            run.wait_for("experiment: look 1/")  # the experiment's load flows
             run.signal(signal.SIGTERM)  # what `ray job stop`, a CI cancel and a pod deletion send
             until(lambda: hook_weights(tmp_path) == ["0"], run, 60)
             run.signal(signal.SIGTERM)
@@ -151,3 +151,20 @@ def test_two_resumes_started_together_only_one_takes_the_run(tmp_path):
     assert sum(e["event"] == "controller_resume" for e in store.events("f1")) == 1
     assert hook_weights(tmp_path)[-1:] == ["0"]
     assert wait_gone(lambda: ray_processes() + server_processes(), 60) == []
+
+
+def test_sigterm_during_the_gpu_placement_wait_ends_the_run_before_any_replica(tmp_path):
+    # GPU arms on a cluster without GPUs: the fleet waits for placement (up to placement_timeout_s)
+    gpu = {"model": "some-org/some-model", "device": "gpu"}
+    config = run_config(tmp_path, "http://unused", "http://unused", progressive=True, experiment={"enabled": False},
+                        baseline={"endpoints": [], "engine": gpu}, canary={"endpoints": [], "engine": gpu},
+                        ray={"check_nodes": "never"})
+    run = CliRun(tmp_path, config)
+    try:
+        run.wait_for("fleet: starting 2 replica(s)")
+        time.sleep(1)  # inside the placement wait
+        run.signal(signal.SIGTERM)
+        assert_ended(run, 130, "interrupted by SIGTERM", tmp_path, hook=["0"])
+    finally:
+        run.kill()
+    assert "ready at" not in run.text()
