@@ -308,8 +308,9 @@ class Controller:
         result.timings["total_s"] = time.time() - result.started_at
         if result.usage is not None and ctx.fleet_since is not None:
             result.usage = UsageSummary.held(result.usage.gpus, result.usage.replicas, time.time() - ctx.fleet_since)
-        if result.decision is not None and result.error is None and not completed:
-            result.error = "the run ended before its last phase"  # never a verdict on a partial run
+        if result.error is None and not completed:
+            # never a verdict on a partial run, nor a "done" without one (a SystemExit from a library's handler)
+            result.error = "the run ended before its last phase"
         try:
             self._commit_end()
         except Exception as exc:

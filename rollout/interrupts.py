@@ -42,13 +42,16 @@ class Interrupts:
         self.received: str | None = None  # the first signal's name
         self._shield = 0
         self._hooked = False
+        self._ignored: set[int] | None = None  # ignored when the process started (nohup, a background job)
 
     def install(self) -> None:
         """Handle SIGINT, SIGTERM and SIGHUP here, now and after every later ray.init (main thread only)."""
         if threading.current_thread() is not threading.main_thread():
             return
+        if self._ignored is None:  # `nohup` means SIGHUP does not end the run; a background job ignores SIGINT
+            self._ignored = {sig for sig in SIGNALS if signal.getsignal(sig) == signal.SIG_IGN}
         for sig in SIGNALS:
-            signal.signal(sig, self._on_signal)
+            signal.signal(sig, signal.SIG_IGN if sig in self._ignored else self._on_signal)
         if not self._hooked:
             self._hooked = True
             try:

@@ -11,6 +11,7 @@ import json
 import os
 import signal
 import sqlite3
+import subprocess
 import sys
 import time
 
@@ -191,3 +192,18 @@ def test_a_hook_that_does_not_confirm_0_is_part_of_the_error(tmp_path, monkeypat
     assert result.error.startswith("router died; weight_hook (python")
     assert "exited 5 for weight 0%: production traffic may still reach the canary" in result.error
     assert json.loads((tmp_path / "r1" / "decision.json").read_text())["error"] == result.error
+
+
+def test_a_signal_ignored_when_the_run_started_stays_ignored():
+    """`nohup mtp-canary run` (SIGHUP ignored) survives its terminal closing; SIGTERM still ends it."""
+    code = ("import os, signal, time\n"
+            "from rollout.interrupts import INTERRUPTS, Interrupted\n"
+            "INTERRUPTS.install()\n"
+            "os.kill(os.getpid(), signal.SIGHUP); time.sleep(0.2); print('survived SIGHUP', flush=True)\n"
+            "try:\n"
+            "    os.kill(os.getpid(), signal.SIGTERM); time.sleep(5)\n"
+            "except Interrupted as exc:\n"
+            "    print('interrupted by', exc.signal_name)\n")
+    done = subprocess.run([sys.executable, "-c", code], cwd=REPO, capture_output=True, text=True, timeout=60,
+                          preexec_fn=lambda: signal.signal(signal.SIGHUP, signal.SIG_IGN))
+    assert done.stdout.split("\n")[:2] == ["survived SIGHUP", "interrupted by SIGTERM"], done.stderr
