@@ -14,6 +14,7 @@ controller finds them by name; the lease ends an abandoned one), and this one co
 
 from __future__ import annotations
 
+import json
 import time
 from urllib.parse import urlsplit
 
@@ -27,6 +28,7 @@ from cluster.replica_environment import PACKAGES, ReplicaEnvironment
 
 HEALTH_TIMEOUT_S = 5.0
 METRICS_TIMEOUT_S = 10.0
+VERSION_MAX_BYTES = 64 * 1024  # vLLM's /version is a few dozen bytes: a server's longer answer is cut
 
 
 def metrics_url_of(url: str) -> str:
@@ -75,7 +77,9 @@ class ExternalReplicaServer:
     def _health(self, timeout_s: float) -> bool | None:
         """/health answered 200 (True), refused or not 200 (False), or not within timeout_s (None)."""
         try:
-            response = requests.get(f"{self._url}/health", timeout=timeout_s)
+            # the status line is the answer: a body is never read (an endless one would hold the poll)
+            with requests.get(f"{self._url}/health", timeout=timeout_s, stream=True) as response:
+                pass
         except requests.Timeout:
             self._last_refusal = f"no answer within {timeout_s:g} s"
             return None
@@ -153,9 +157,9 @@ class ExternalReplicaServer:
         """What can be known from outside: the server's vLLM version (GET /version); the rest None."""
         packages: dict[str, str | None] = {name: None for name in PACKAGES}
         try:
-            response = requests.get(f"{self._url}/version", timeout=HEALTH_TIMEOUT_S)
-            if response.status_code == 200:
-                packages["vllm"] = str(response.json().get("version"))
+            with requests.get(f"{self._url}/version", timeout=HEALTH_TIMEOUT_S, stream=True) as response:
+                if response.status_code == 200:
+                    packages["vllm"] = str(json.loads(response.raw.read(VERSION_MAX_BYTES)).get("version"))[:64]
         except (requests.RequestException, ValueError, AttributeError):
             pass
         return ReplicaEnvironment(node_ip=urlsplit(self._url).hostname, packages=packages).model_dump(mode="json")

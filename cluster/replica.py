@@ -271,7 +271,9 @@ class VLLMReplicaServer:
         """/health answered 200 (True), refused or not 200 (False), or not within timeout_s (None)."""
         local = "127.0.0.1" if self.host in ("0.0.0.0", "::") else self.host
         try:
-            return requests.get(f"http://{local}:{self._port}/health", timeout=timeout_s).status_code == 200
+            # the status line is the answer: a body is never read
+            with requests.get(f"http://{local}:{self._port}/health", timeout=timeout_s, stream=True) as response:
+                return response.status_code == 200
         except requests.Timeout:
             return None
         except requests.RequestException:

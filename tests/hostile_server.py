@@ -3,6 +3,7 @@
 Each path is one fault (stdlib only, a thread of the test's process):
   /metrics/huge-position   a vLLM page whose per-position counter has position="999999999"
   /metrics/endless         a page that never ends (64 KiB pieces as fast as they are read)
+  /health, /version        200 with a body that never ends
   /v1/no-newline           a 200 SSE stream of one line that never ends
   /v1/endless              a 200 SSE stream of valid chunks that never reaches [DONE]
   /v1/trickle              a 200 SSE stream of a byte every 0.2 s, forever
@@ -63,6 +64,9 @@ class _Handler(BaseHTTPRequestHandler):
         elif self.path == "/metrics/endless":
             self._stream_head()
             self._forever(b"# " + b"x" * 65534 + b"\n")
+        elif self.path in ("/health", "/version"):
+            self._stream_head()
+            self._forever(b"{" + b" " * 65535)
         else:
             self.send_error(404)
 

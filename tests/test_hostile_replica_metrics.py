@@ -50,3 +50,12 @@ def test_the_servers_finished_requests_are_read():
            'vllm:request_success_total{finished_reason="length"} 7.0\n' \
            'vllm:request_success_total{finished_reason="stop"} 3.0\n'
     assert parse_metrics(page).requests_finished == 10.0
+
+
+def test_an_endpoint_whose_health_and_version_never_end_answers_at_once():
+    with HostileServer() as server:
+        replica = ExternalReplicaServer("b0", "baseline", server.url)
+        started = time.monotonic()
+        assert replica._health(5.0) is True  # the status line is the answer; the body is never read
+        assert replica.environment()["packages"]["vllm"] is None  # a cut, unparsable answer: unknown
+    assert time.monotonic() - started < 30
