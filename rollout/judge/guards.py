@@ -79,7 +79,7 @@ from cluster.metrics import SpecDecodeStats
 from loadtests.health import percentile_ms
 from loadtests.records import RequestRecord
 from rollout.judge import stats
-from rollout.judge.acceptance import MIN_DRAFTS, acceptance_sd  # one copy of the spread of accepted tokens per draft
+from rollout.judge.acceptance import MIN_DRAFTS, MIN_REQUESTS, acceptance_sd, clustered_se  # one copy of each
 from rollout.judge.config import GuardConfig
 from rollout.judge.verdicts import GateResult, Verdict
 
@@ -336,10 +336,13 @@ def _acceptance(
         return GateResult(**base, verdict=Verdict.INCONCLUSIVE, detail="no drafts in the window (too little canary traffic)")
     if floor is None:
         return GateResult(**base, verdict=Verdict.PASS, detail=f"{drafts} drafts, mean acceptance length {mean:.2f} (no floor set)")
-    sd = acceptance_sd(delta)
     z = float(sps.norm.isf(alpha))
-    upper = mean + z * sd / math.sqrt(drafts)
-    base["interval"] = (mean - z * sd / math.sqrt(drafts), upper)
+    # drafts of one request are not independent (a hard prompt accepts less at every step): with the
+    # requests' own counters the SE is clustered by request, else the drafts' spread is all there is
+    _, clustered, n_requests = clustered_se(getattr(delta, "per_request", ()) or ())
+    se = clustered if math.isfinite(clustered) and n_requests >= MIN_REQUESTS else acceptance_sd(delta) / math.sqrt(drafts)
+    upper = mean + z * se
+    base["interval"] = (mean - z * se, upper)
     text = f"mean acceptance length {mean:.2f} over {drafts} drafts (upper bound {upper:.2f}), floor {floor:g}"
     if drafts < MIN_DRAFTS:
         return GateResult(**base, verdict=Verdict.INCONCLUSIVE, detail=f"{text}: fewer than {MIN_DRAFTS} drafts")
