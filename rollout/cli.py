@@ -483,10 +483,19 @@ def _cmd_status(args: argparse.Namespace) -> int:
             print(f"--- {time.strftime('%H:%M:%S')}", flush=True)
             _print_status(doc, args.json)
             last = shown
-        if doc["status"] != "running" or doc["controller_alive"] is False:
+        if doc["status"] != "running" or (doc["controller_alive"] is False and _confirmed_gone(store, args.run_id)):
             return _watched_exit_code(doc)
         time.sleep(args.interval_s)
         doc = run_status(store, args.run_id)
+
+
+def _confirmed_gone(store, run_id: str) -> bool:
+    """The controller is gone when checked again with its beats watched (another host's stale heartbeat
+    may be a clock that disagrees with this one's)."""
+    from rollout.store import run_controller_alive
+
+    run = store.run(run_id)
+    return run is not None and run_controller_alive(run, store) is False
 
 
 def _watched_exit_code(doc: dict) -> int:

@@ -66,3 +66,19 @@ def test_a_silent_controller_on_another_host_is_gone_after_its_beats_stop(away_r
     started = time.monotonic()
     assert run_controller_alive(away_run.run("r-away"), away_run) is False
     assert time.monotonic() - started >= 0.6  # watched for two beats before calling it gone
+
+
+def test_status_watch_does_not_call_a_beating_controller_gone_when_the_clock_steps(away_run, monkeypatch, capsys):
+    monkeypatch.setattr(store_module, "wall_clock", lambda: time.time() + 86400)
+    stop = threading.Event()
+    thread = beating(away_run, stop)
+    decided = threading.Timer(3.0, lambda: RunStore(away_run.path).finish_run(
+        "r-away", status="done", decision="rollback", exit_code=3, reason="guard failed"))
+    decided.start()
+    try:
+        code = main(["status", "r-away", "--runs-dir", str(away_run.path.parent), "--watch", "--interval-s", "0.2"])
+    finally:
+        stop.set()
+        thread.join()
+        decided.join()
+    assert code == 3  # it watched until the run decided, not exit 1 for a "gone" controller
