@@ -1,9 +1,9 @@
 """Does the latency judge hold its error rate when requests are not independent? Measured, by seeded simulation.
 
 Every simulated run goes through ``rollout.judge.latency.judge_latency`` itself, at the
-default ``GatesConfig``, with the demo's design: 40 requests per arm per look, 400 per
-arm planned (10 looks), alpha spent at information n / 400. One call at the last look
-judges all ten looks (the judge intersects the repeated intervals of every look so
+default ``GatesConfig``, with the demo's design: 40 requests per arm per look, 600 per
+arm planned (15 looks), alpha spent at information n / 600. One call at the last look
+judges all fifteen looks (the judge intersects the repeated intervals of every look so
 far, so a gate that passed at some look still passes at the last one, unless the
 intervals of two looks became disjoint).
 
@@ -55,9 +55,9 @@ import numpy as np
 from rollout.judge.config import GatesConfig
 from rollout.judge.latency import LatencySamples, judge_latency
 
-LOOKS = 10
+LOOKS = 15
 REQUESTS_PER_LOOK = 40
-REQUESTS_PER_ARM = 400
+REQUESTS_PER_ARM = 600
 STALL_RUN = 10
 STALL_PROBABILITY = 0.1
 STALL_FACTOR = 2.0

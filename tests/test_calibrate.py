@@ -68,13 +68,13 @@ def test_the_result_has_the_published_keys_and_types(small_calibration):
     assert [row["true_tpot_ratio"] for row in result["power"]] == [0.8, 0.7]
     for row in result["power"]:
         # the controller judges at least one look of requests_per_look and at most the plan plus a look's overshoot
-        assert 40 <= row["mean_requests_per_arm"] <= 400 + 40
+        assert 40 <= row["mean_requests_per_arm"] <= 600 + 40
     assert set(result["decision"]) >= {"false_promote_rate", "false_rollback_rate"}
     assert [(row["candidates"], row["scenario"]) for row in result["candidates"]] == list(calibrate.CANDIDATE_ROWS)
     for row in result["candidates"]:
         assert row["rule"] == "bonferroni" and row["candidate_alpha"] == pytest.approx(0.05 / row["candidates"])
         assert 0.0 <= row["false_promote_rate"] <= row["unadjusted_false_promote_rate"] <= 1.0 and row["trials"] == TRIALS
-    assert result["config"]["requests_per_look"] == 40 and result["config"]["requests_per_arm"] == 400
+    assert result["config"]["requests_per_look"] == 40 and result["config"]["requests_per_arm"] == 600
     table = format_table({**result, "wall_s": 1.0})
     assert "false promote" in table and "Pass at the limit" in table and "P(PROMOTE)" in table
     assert "Several candidates" in table

@@ -151,7 +151,7 @@ DEMO_RUN_CONFIG: dict[str, Any] = {
     "twin_baseline": False,
     "accuracy": {"enabled": True, "kind": "golden", "limit": 64, "batch_size": 32},
     "experiment": {
-        "enabled": True, "requests_per_look": 40, "requests_per_arm": 400, "window_s": 10, "min_looks": 1,
+        "enabled": True, "requests_per_look": 40, "requests_per_arm": 600, "window_s": 10, "min_looks": 1,
         "max_duration_s": 900.0, "users_per_replica": 2, "max_tokens": 16,
     },
     "gates": {
