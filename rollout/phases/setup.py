@@ -173,6 +173,19 @@ class Prepare:
         ctx.result.detectable_effect = {e.gate: e for e in effects}
         for line in render(effects) if say else ():
             ctx.say(line)
+        if say and ctx.cfg.experiment.enabled:
+            ctx.say(design_line(ctx.cfg))
+
+
+def design_line(cfg) -> str:
+    """What the experiment's design cancels and what it only bounds: said before the run starts."""
+    exp, gates = cfg.experiment, cfg.gates
+    twin = ("a twin baseline measures the A/A floor (placement and drift between two replicas of one config)"
+            if cfg.twin_baseline else
+            "no twin baseline: drift between the arms' replicas is bounded only by the intervals (look-to-look "
+            f"correlation <= {gates.look_correlation_max:g}); set twin_baseline: true where the hardware holds a third arm")
+    return (f"design: warm-up {exp.warmup_requests_per_arm} requests per arm (not judged); "
+            f"latency intervals drift-robust over {exp.planned_looks} planned looks; {twin}")
 
 
 # the hub token a job's runtime environment may hold: scrubbed from copied logs like a config's secrets
