@@ -1,8 +1,11 @@
 """`mtp-canary` (same as `python -m rollout`): run a canary, answer or watch it, history, tiny model, calibrate.
 
 Exit codes of `run`: 0 promote, 3 rollback, 4 inconclusive, 2 bad config or
-usage, 1 infrastructure error. A bad config or run id is one line on stderr and
-exit 2 before anything starts or is written (no Ray, no runs directory).
+usage, 1 infrastructure error, 130 ended by a signal (SIGINT, SIGTERM, SIGHUP:
+rollout.interrupts). A bad config or run id is one line on stderr and exit 2
+before anything starts or is written (no Ray, no runs directory). Every other end
+prints the cause in one line and, last, `mtp-canary: exit_code=N decision=X
+run_dir=DIR`, which decision.json, the store and the webhook agree with.
 """
 
 from __future__ import annotations
