@@ -202,10 +202,13 @@ def _read_body(
     feed = response.feed
     # wait for readability before reading: a stream's next chunk is rarely there yet, and
     # gevent's recv would first try the read and fail with EAGAIN (a syscall and an exception)
-    readable = socket._read_event
+    plain = type(socket) is _GeventSocket
+    # TLS: no wait on the raw socket (decrypted bytes may already sit in the TLS layer); its recv
+    # blocks this greenlet only (gevent), and the watchdog's close ends it
+    readable = socket._read_event if plain else None
     # a plain gevent TCP socket: read its real socket directly (after the wait, the read
     # does not block), with the kernel's receive stamps; anything else (TLS) through gevent
-    stamped = type(socket) is _GeventSocket and _enable_receive_stamps(socket._sock)
+    stamped = plain and _enable_receive_stamps(socket._sock)
     recv = socket.recv
     floor = sent_s if sent_s is not None else clock()  # no byte of the answer arrived before
     watch = _watchdog.watch(socket, timeout_s, clock())
@@ -215,7 +218,8 @@ def _read_body(
         while True:
             first = stamp_first_bytes is not None and stamp_first_bytes()
             try:
-                wait_on_watcher(readable)
+                if readable is not None:
+                    wait_on_watcher(readable)
                 if stamped:
                     # gevent swaps in a closed stand-in when the watchdog closes it: read it anew
                     raw = socket._sock

@@ -23,7 +23,7 @@ from loadtests.sse import MAX_LINE_BYTES, SseDecoder, SseTooLarge
 from tests.conftest import REPO
 
 sys.path.insert(0, str(REPO))
-from tests.hostile_server import HostileServer  # noqa: E402
+from tests.hostile_server import CHUNK, DONE, HostileServer  # noqa: E402
 
 LABELS = RecordLabels(request_id="r", tag="test", worker="pytest")
 
@@ -77,28 +77,44 @@ def test_a_response_naming_another_arm_than_the_pinned_one_is_no_record_of_eithe
 
 class _Hello(BaseHTTPRequestHandler):
     def do_POST(self) -> None:  # noqa: N802
+        self.rfile.read(int(self.headers.get("Content-Length") or 0))
         self.send_response(200)
+        self.send_header("Content-Type", "text/event-stream")
         self.end_headers()
+        self.wfile.write(CHUNK + DONE)
 
     def log_message(self, *_args) -> None:
         pass
 
 
-def test_tls_is_verified(tmp_path):
+def test_tls_is_verified_host_name_included(tmp_path, monkeypatch):
+    """A certificate the client trusts (given as SSL_CERT_FILE) but issued for another name than
+    the one connected to is refused: the router token must not reach a server that merely holds
+    some trusted certificate."""
     cert, key = tmp_path / "cert.pem", tmp_path / "key.pem"
     made = subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-days", "1", "-subj",
-                           "/CN=localhost", "-keyout", str(key), "-out", str(cert)], capture_output=True)
+                           "/CN=localhost", "-addext", "subjectAltName=DNS:localhost", "-keyout", str(key),
+                           "-out", str(cert)], capture_output=True)
     if made.returncode != 0:
         pytest.skip("no openssl to make a certificate")
+    monkeypatch.setenv("SSL_CERT_FILE", str(cert))
+    # (the trust as the client had it before: geventhttpclient's default bundle, here this certificate)
+    from geventhttpclient.connectionpool import SSLConnectionPool
+
+    monkeypatch.setitem(SSLConnectionPool.default_options, "ca_certs", str(cert))
     server = ThreadingHTTPServer(("127.0.0.1", 0), _Hello)
     context = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER)
     context.load_cert_chain(cert, key)
     server.socket = context.wrap_socket(server.socket, server_side=True)
     threading.Thread(target=server.serve_forever, daemon=True).start()
+    port = server.server_address[1]
     try:
-        record = _send(f"https://127.0.0.1:{server.server_address[1]}")
+        wrong_name = _send(f"https://127.0.0.1:{port}")  # the certificate names localhost only
+        right_name = _send(f"https://localhost:{port}")
     finally:
         server.shutdown()
         server.server_close()
-    # a self-signed certificate the client was not given: the request fails, the token is not sent
-    assert not record.ok and record.status == 0 and "CERTIFICATE_VERIFY_FAILED" in (record.error or ""), record.error
+    assert not wrong_name.ok and wrong_name.status == 0 and "CERTIFICATE_VERIFY_FAILED" in (wrong_name.error or ""), \
+        wrong_name.error
+    # the right name gets through, and its stream is read over TLS
+    assert right_name.ok and right_name.output_tokens == 2, right_name.error
