@@ -263,11 +263,21 @@ def _raise_keyboard_interrupt(signum, frame) -> None:
     raise KeyboardInterrupt
 
 
+DRIVER_RUNS_ROOT = "mtp-canary"  # a relative --runs-dir lands under the driver's $HOME/mtp-canary/
+
+
 def run_entrypoint(config: Path, working_dir: Path, runs_dir: Path) -> list[str]:
-    """The job's command: `rollout run` of CONFIG as the uploaded directory names it, runs_dir absolute
-    (a relative one would land in Ray's unpacked copy of the working dir, deleted with the job)."""
+    """The job's command: `rollout run` of CONFIG as the uploaded directory names it. The runs dir
+    is resolved where the driver runs, never on the submitting machine: an absolute one as given (a
+    path on the head, e.g. the runs volume's mount); a relative one under the driver's
+    $HOME/mtp-canary (a relative path in the job's working dir is deleted with the job, and a
+    laptop's absolute path may not exist or be writable on the head)."""
     relative = Path(config).resolve().relative_to(Path(working_dir).resolve())
-    return ["python", "-m", "rollout", "run", str(relative), "--runs-dir", str(Path(runs_dir).absolute())]
+    if Path(runs_dir).is_absolute():
+        return ["python", "-m", "rollout", "run", str(relative), "--runs-dir", str(runs_dir)]
+    # $HOME expands in the driver's shell (Ray runs the entrypoint with sh); the paths ride as $1, $2
+    return ["sh", "-c", f'exec python -m rollout run "$1" --runs-dir "$HOME/{DRIVER_RUNS_ROOT}/$2"',
+            "mtp-canary", str(relative), str(runs_dir)]
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -276,8 +286,9 @@ def build_parser() -> argparse.ArgumentParser:
     parser.add_argument("--address", default=os.environ.get("RAY_ADDRESS") or DEFAULT_ADDRESS,
                         help=f"the Ray job server (dashboard) URL (default: $RAY_ADDRESS, else {DEFAULT_ADDRESS})")
     parser.add_argument("--runs-dir", default="runs",
-                        help="where the run writes runs/<id>/ on the cluster; a relative path is made absolute "
-                        "here, so give a path the head can write (default: ./runs)")
+                        help="where the run writes runs/<id>/, on the node the driver runs on (the head): an "
+                        "absolute path there as given, a relative one under the driver's $HOME/mtp-canary/ "
+                        "(default: runs)")
     parser.add_argument("--working-dir", default=".", help="uploaded as the job's working directory (default: .)")
     parser.add_argument("--no-wait", action="store_true", help="print the job id and exit 0 once submitted")
     parser.add_argument("--fetch-dir", default=None, metavar="DIR",

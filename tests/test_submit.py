@@ -107,7 +107,7 @@ def test_final_line_and_outcome_rules():
 def test_entrypoint_is_a_run_the_cli_accepts(tmp_path):
     from rollout import cli
 
-    argv = submit.run_entrypoint(REPO / "configs/examples/local-progressive.yaml", REPO, Path("runs"))
+    argv = submit.run_entrypoint(REPO / "configs/examples/local-progressive.yaml", REPO, Path("/srv/runs"))
     assert argv[:3] == ["python", "-m", "rollout"]
     args = cli.build_parser().parse_args(argv[3:])
     assert args.command == "run" and args.config == "configs/examples/local-progressive.yaml"
