@@ -137,7 +137,34 @@ def render(result: Mapping[str, Any], command: str, commit: str, machine: str) -
                         [[str(r["candidates"]), r["scenario"],
                           _rate(r["false_promote_rate"]) + _flag(r["false_promote_rate"], bound),
                           _rate(r["unadjusted_false_promote_rate"]), str(r["trials"])] for r in result["candidates"]])
+    if result.get("dependence"):
+        lines += _dependence(result["dependence"], bound)
     return "\n".join(lines) + "\n"
+
+
+def _dependence(rows: Sequence[Mapping[str, Any]], bound: float) -> list[str]:
+    """The worlds built to break the looks' independence (rollout.judge.scenarios.DEPENDENCE_SCENARIOS)."""
+    lines = ["", "## Worlds that break the looks' independence", "",
+             "Each arm's latency level persists across looks (AR(1) `ar1_SD_RHO`, `random_walk_STEP`, `linear_drift`), "
+             "one arm starts cold (`warmup_ARM_AMP_LOOKS`: AMP slower, decaying by e every LOOKS looks; the default "
+             "warm-up leaves one look out), errors come in bursts of 10 (`error_bursts_10`), or an arm's latency rises "
+             "with its requests in flight (`feedback`). False promote: the objective passes with the canary exactly at "
+             "its bar; decision: every experiment gate passes there (P(PROMOTE) of the whole decision); false rollback: "
+             "a gate other than the objective fails with identical arms; good canary: P(PROMOTE) of the whole decision "
+             "with the canary truly 30% faster (power). The intervals hold for look-to-look correlation up to "
+             "`gates.look_correlation_max`; worlds beyond it (rho 0.8, a random walk) are here to show what they cost.",
+             ""]
+    table_rows = []
+    for r in rows:
+        extra = f"; error guard at its limit passes {_rate(r['error_guard_pass_at_limit'])}" if "error_guard_pass_at_limit" in r else ""
+        table_rows.append([
+            r["name"], _rate(r["false_promote_rate"]) + _flag(r["false_promote_rate"], bound),
+            _rate(r["decision_false_promote_rate"]) + _flag(r["decision_false_promote_rate"], bound),
+            _rate(r["false_rollback_rate"]) + _flag(r["false_rollback_rate"], bound),
+            _rate(r["good_canary_promote_rate"]) + extra, str(r["trials"]),
+        ])
+    lines += _table(["world", "false promote", "decision", "false rollback", "good canary", "trials"], table_rows)
+    return lines
 
 
 def main(argv: Sequence[str] | None = None) -> int:

@@ -136,10 +136,11 @@ class GatesConfig(pydantic.BaseModel, extra="forbid"):
         0.5,
         ge=0.0,
         lt=1.0,
-        description="The look-to-look correlation of an arm's latency level (drift, a replica's state) the latency "
-        "gates' critical values hold for: their intervals are drift-robust over the looks (a Bartlett long-run "
-        "variance with the worst case of an AR(1) level up to this correlation). Higher: wider intervals, slower "
-        "drift covered; a twin baseline or a longer run covers drift beyond it (docs/calibration.md).",
+        description="The look-to-look correlation of an arm's latency level (drift, a replica's state) the TPOT "
+        "objective's critical values hold for: the latency intervals are drift-robust over the looks (a Bartlett "
+        "long-run variance), the objective's with the worst case of an AR(1) level up to this correlation, the p95 "
+        "guardrails' with the critical values of independent looks. Higher: wider intervals, slower drift covered; a "
+        "twin baseline or a longer run covers drift beyond it (docs/calibration.md).",
     )
     spending: Literal["obrien_fleming", "pocock"] = Field(
         "obrien_fleming",
