@@ -427,7 +427,7 @@ def main(argv: Sequence[str] | None = None, modules: Sequence[str] = RUN_MODULES
     plan = make_plan(cfg, modules=modules, placement_wait_s=args.placement_wait_s)
     # what the plan can decide: each gate's detectable effect, and a warning per margin it cannot
     from rollout.judge.power import detectable_effects, render as render_power
-    from rollout.phases.setup import power_plan
+    from rollout.plan_power import power_plan
 
     plan.notes += render_power(detectable_effects(power_plan(cfg)))
     print(json.dumps(plan.document(), indent=2, sort_keys=True) if args.json else render(plan))

@@ -125,8 +125,22 @@ def run_controller_alive(run: dict[str, Any], store: RunStore | None = None) -> 
         lease_s = 300.0
     alive = controller_alive(run.get("controller"), run.get("heartbeat_at"), stale_after_s=lease_s)
     if alive is False and store is not None and _on_another_host(run.get("controller")):
-        return store.beats_move(run["run_id"], within_s=2 * HEARTBEAT_S + 1)
+        return beats_move(store, run["run_id"], within_s=2 * HEARTBEAT_S + 1)
     return alive
+
+
+def beats_move(store: RunStore, run_id: str, within_s: float, poll_s: float = 0.5) -> bool:
+    """Whether the run's beat counter moves within `within_s` of this process's monotonic clock."""
+    def beats() -> int | None:
+        return (store.run(run_id) or {}).get("beats")
+
+    first = beats()
+    deadline = time.monotonic() + within_s
+    while time.monotonic() < deadline:
+        time.sleep(poll_s)
+        if beats() != first:
+            return True
+    return False
 
 
 def _on_another_host(identity: str | None) -> bool:
@@ -252,20 +266,6 @@ class RunStore:
         clock, and one more beat (a count, for readers whose clock disagrees)."""
         self._tx("UPDATE runs SET heartbeat_at = ?, beats = COALESCE(beats, 0) + 1 WHERE run_id = ?",
                  (time.time(), run_id))
-
-    def beats_move(self, run_id: str, within_s: float, poll_s: float = 0.5) -> bool:
-        """Whether the run's beat counter moves within `within_s` of this process's monotonic clock."""
-        def beats() -> int | None:
-            row = self._db.execute("SELECT beats FROM runs WHERE run_id = ?", (run_id,)).fetchone()
-            return None if row is None else row[0]
-
-        first = beats()
-        deadline = time.monotonic() + within_s
-        while time.monotonic() < deadline:
-            time.sleep(poll_s)
-            if beats() != first:
-                return True
-        return False
 
     def finish_run(self, run_id: str, status: str, decision: str | None, exit_code: int, reason: str,
                    stable: tuple[str, dict[str, Any]] | None = None) -> None:
@@ -508,17 +508,13 @@ class RunStore:
 
     def last_look(self, run_id: str, phase: str) -> int:
         """The highest look stored for a phase (0 if none): where a resumed phase continues."""
-        row = self._db.execute(
-            "SELECT COALESCE(MAX(look), 0) FROM phase_results WHERE run_id = ? AND phase = ?", (run_id, phase)
-        ).fetchone()
-        return int(row[0])
+        sql = "SELECT COALESCE(MAX(look), 0) FROM phase_results WHERE run_id = ? AND phase = ?"
+        return int(self._db.execute(sql, (run_id, phase)).fetchone()[0])
 
     def last_sample_window(self, run_id: str, phase: str) -> int:
         """The highest window index of a phase's stored request samples (0 if none)."""
-        row = self._db.execute(
-            "SELECT COALESCE(MAX(window), 0) FROM request_samples WHERE run_id = ? AND phase = ?", (run_id, phase)
-        ).fetchone()
-        return int(row[0])
+        sql = "SELECT COALESCE(MAX(window), 0) FROM request_samples WHERE run_id = ? AND phase = ?"
+        return int(self._db.execute(sql, (run_id, phase)).fetchone()[0])
 
     def all_phase_results(self, run_id: str) -> list[dict[str, Any]]:
         """Every phase result of a run in commit order: {phase, look, time, result}."""

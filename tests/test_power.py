@@ -144,7 +144,7 @@ def test_the_acceptance_floor_passes_its_detectable_length_as_often_as_claimed()
 
 # -- the plan as the run reads it -----------------------------------------------------------------
 def test_the_gpu_config_is_warned_that_its_accuracy_margin_is_below_what_it_can_decide():
-    from rollout.phases.setup import power_plan
+    from rollout.plan_power import power_plan
 
     cfg = load_config(REPO / "configs" / "mimo-v2.5-mtp.yaml")
     plan = power_plan(cfg)

@@ -53,7 +53,12 @@ def prepared_result(tmp_path: Path, say) -> tuple[RunResult, dict]:
     data["accuracy"]["path"] = "/data/golden.jsonl"  # not read by Prepare
     cfg = parse_config(data)
     result = RunResult(run_id="r1", run_dir=tmp_path / "r1", config=cfg)
-    ctx = SimpleNamespace(cfg=cfg, result=result, cache_dir=tmp_path / "cache", say=say, engines={})
+    from rollout.store import RunStore
+
+    store = RunStore(tmp_path / "history.db")  # Prepare counts earlier attempts at the same comparison
+    store.create_run("r1", cfg.name, "/models/real", cfg.model_dump(mode="json"))
+    ctx = SimpleNamespace(cfg=cfg, result=result, cache_dir=tmp_path / "cache", say=say, engines={}, resuming=False,
+                          store=store, run_id="r1")
     Prepare().run(ctx)
     return result, ctx.engines
 

@@ -583,6 +583,19 @@ def _candidate_rows(by_key: Mapping[str, Sequence[TrialOutcome]], alpha: float, 
     ]
 
 
+def _scenario_rows(by_key: Mapping[str, Sequence[TrialOutcome]], trials: int) -> list[dict[str, Any]]:
+    """The latency scenarios' rows: the objective's false promote at its bar, a false rollback with identical arms."""
+    return [
+        {
+            "name": name,
+            "false_promote_rate": _rate(by_key[f"{name}/at_bar"], lambda o: o.verdicts.get(OBJECTIVE_NAME) == "pass"),
+            "false_rollback_rate": _rate(by_key[f"{name}/aa"], _other_gate_failed),
+            "trials": trials,
+        }
+        for name in LATENCY_SCENARIOS
+    ]
+
+
 def _dependence_rows(by_key: Mapping[str, Sequence[TrialOutcome]], trials: int) -> list[dict[str, Any]]:
     """The worlds built to break the looks' independence (scenarios.DEPENDENCE_SCENARIOS): the objective's false
     promote at its bar, the whole decision's P(PROMOTE) there, a false rollback with identical arms, and the
@@ -624,15 +637,7 @@ def run_calibration(
     design = design or default_design()
     by_key: dict[str, list[TrialOutcome]] = defaultdict(list, _outcomes(design, trials, seed, workers, progress, only))
     alpha = design.gates.alpha
-    scenarios = []
-    if design.experiment_enabled:
-        for name in LATENCY_SCENARIOS:
-            scenarios.append({
-                "name": name,
-                "false_promote_rate": _rate(by_key[f"{name}/at_bar"], lambda o: o.verdicts.get(OBJECTIVE_NAME) == "pass"),
-                "false_rollback_rate": _rate(by_key[f"{name}/aa"], _other_gate_failed),
-                "trials": trials,
-            })
+    scenarios = _scenario_rows(by_key, trials) if design.experiment_enabled else []
     pass_at_limit = [
         {
             "gate": gate,

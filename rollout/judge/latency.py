@@ -703,8 +703,7 @@ def _quantile_ratio_bounds(
         levels = tuple(rest)
         if upto is None:  # the current look: its arms kept for the point values, its bounds remembered for the next
             b_now, c_now = b_series.up_to(None, q), c_series.up_to(None, q)
-            one = _one_look_bounds(b_now, c_now, q, pass_level, levels, cfg, label)
-            now = one
+            one = now = _one_look_bounds(b_now, c_now, q, pass_level, levels, cfg, label)
             _remember(_look_key(b_series, c_series, None, q, pass_level, levels, cfg, label), one)
         else:
             one = _earlier_look_bounds(b_series, c_series, upto, q, pass_level, levels, cfg, label)
@@ -736,14 +735,9 @@ def _quantile_ratio_bounds(
         why_not=why_not,
         errors=(b_now.n_errors, c_now.n_errors),
         deff=(b_now.deff, c_now.deff),
-        pairing=now.pairing,
-        autocorrelation=now.autocorrelation,
-        drift_factor=now.drift_factor,
-        looks_paired=now.looks,
-        correlation=cfg.look_correlation_max,
-        blocks=(b_now.n_blocks, c_now.n_blocks),
-        block_kind=b_series.block_kind,
-        tie_widened=tie_widened,
+        pairing=now.pairing, autocorrelation=now.autocorrelation, drift_factor=now.drift_factor,
+        looks_paired=now.looks, correlation=cfg.look_correlation_max,
+        blocks=(b_now.n_blocks, c_now.n_blocks), block_kind=b_series.block_kind, tie_widened=tie_widened,
     )
 
 

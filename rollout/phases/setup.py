@@ -21,8 +21,8 @@ from cluster.router import Router, RouterClient
 from cluster.router_limits import is_loopback
 from rollout import plan_command
 from rollout.config import TWIN, ArmConfig
-from rollout.judge.candidates import candidate_gates
-from rollout.judge.power import PowerPlan, detectable_effects, render
+from rollout.judge.power import detectable_effects, render
+from rollout.plan_power import power_plan
 from rollout.redact import known_secrets, redact_engine, scrub
 from rollout.result import UsageSummary
 from rollout.run_context import InfrastructureError, Progress, RunContext
@@ -31,7 +31,6 @@ from tinymodel.checkpoint import TinyCheckpointSpec, checkpoint_dir, ensure_chec
 from tinymodel.sizing import TinySizing, engine_dtype_for, size_tiny_model, sizing_for_arm, tiny_spec_for
 
 ROUTER_NAME = "router"
-GOLDEN_DISCORDANCE = 0.005  # the power figures' allowance for a golden set's arms disagreeing with no true change
 
 
 def resolve_arm_engine(arm: ArmConfig, cache_dir: Path, progress: Progress, sizing: TinySizing | None = None):
@@ -59,39 +58,6 @@ def resolve_arm_engine(arm: ArmConfig, cache_dir: Path, progress: Progress, sizi
     if dtype != arm.engine.dtype:
         update["dtype"] = dtype
     return arm.engine.model_copy(update=update)
-
-
-def eval_items(spec) -> int | None:
-    """How many paired items the accuracy phase will judge (None: unknown before the engines exist, a tiny
-    model's own golden set without a limit)."""
-    from rollout.evals import GSM8K_TEST
-
-    path = Path(spec.path) if spec.path else (GSM8K_TEST if spec.kind == "gsm8k" else None)
-    try:
-        lines = sum(1 for line in path.open(encoding="utf-8") if line.strip()) if path is not None else None
-    except OSError:  # the accuracy phase says what is wrong with the file
-        lines = None
-    if spec.limit is not None:
-        return min(spec.limit, lines) if lines is not None else spec.limit
-    return lines
-
-
-def power_plan(cfg) -> PowerPlan:
-    """The plan `rollout.judge.power` reads: the gates (at alpha / K with K candidates, as each is judged),
-    the accuracy phase's items and the experiment's judged requests per arm, looks and output tokens."""
-    arms = list(cfg.candidates) or [cfg.canary]
-    exp = cfg.experiment
-    return PowerPlan(
-        gates=candidate_gates(cfg.gates, len(arms)),
-        eval_items=eval_items(cfg.accuracy) if cfg.accuracy.enabled else None,
-        requests_per_arm=exp.requests_per_arm if exp.enabled else None,
-        planned_looks=exp.planned_looks,
-        output_tokens=exp.max_tokens,
-        speculative_tokens=min(arm.engine.num_speculative_tokens for arm in arms),
-        # greedy outputs of a golden set agree unless the canary breaks them (tiny model: exactly); gsm8k on a
-        # real model: the calibration's 3%
-        discordance=GOLDEN_DISCORDANCE if cfg.accuracy.kind == "golden" else None,
-    )
 
 
 def attempts_note(ctx: RunContext) -> None:
