@@ -214,6 +214,24 @@ def probe_cached(nodes: Iterable[str], models: Iterable[str], cache: str) -> dic
     return {node: ray.get(ref, timeout=120) for node, ref in refs.items()}
 
 
+def free_bytes(cache: str) -> tuple[str, int]:
+    """(the directory measured, bytes free on its filesystem): the cache itself, else its nearest
+    existing parent (staging creates it there)."""
+    path = expand_cache(cache)
+    while not path.exists() and path != path.parent:
+        path = path.parent
+    return str(path), shutil.disk_usage(path).free
+
+
+def probe_free(nodes: Iterable[str], cache: str) -> dict[str, tuple[str, int]]:
+    """node id -> free_bytes(cache) there (`mtp-canary plan`: one task pinned to each node)."""
+    import ray
+
+    task = ray.remote(num_cpus=0)(free_bytes)
+    refs = {node: task.options(scheduling_strategy=_pinned(node)).remote(cache) for node in nodes}
+    return {node: tuple(ray.get(ref, timeout=120)) for node, ref in refs.items()}
+
+
 def stage_on_nodes(
     jobs: dict[str, list[str]],
     cache: str,

@@ -304,19 +304,29 @@ def node_environment_failures(modules: Sequence[str] | None = None) -> list[str]
             for c in check_nodes(targets, modules or RUN_MODULES) for problem in c.problems]
 
 
-def weights_cached(cfg, nodes: list[NodeCheck]) -> list[str]:
-    """Fill in each replica node's `weights` (model_cache); a note per node that would download."""
-    from cluster.staging import hub_models, probe_cached
+def weights_cached(cfg, nodes: list[NodeCheck]) -> tuple[list[str], list[str]]:
+    """Fill in each replica node's `weights` (model_cache); (failures, notes): a failure per node
+    whose disk cannot take the models it would download (their size from engine.memory or the
+    local files: cluster.gpu_memory), a note per node that would download."""
+    from cluster.gpu_memory import model_need
+    from cluster.staging import hub_models, probe_cached, probe_free
 
-    models = hub_models(arm.engine.model for _, arm in _launched_arms(cfg))
+    engines = [arm.engine for _, arm in _launched_arms(cfg)]
+    models = hub_models(e.model for e in engines)
     replica_nodes = [n for n in nodes if any(role not in ("driver", "locust") for role in n.roles) and not n.problems]
     if not cfg.model_cache or not models or not replica_nodes:
-        return []
+        return [], []
     try:
         found = probe_cached([n.node_id for n in replica_nodes], models, cfg.model_cache)
+        free = probe_free([n.node_id for n in replica_nodes], cfg.model_cache)
     except Exception as exc:  # a node that cannot run the probe: the import check names it already
-        return [f"weights: not checked ({type(exc).__name__}: {exc})"[:300]]
-    notes = []
+        return [], [f"weights: not checked ({type(exc).__name__}: {exc})"[:300]]
+    sizes: dict[str, float] = {}
+    for engine in engines:
+        need = model_need(engine)
+        if need is not None and engine.model in models:
+            sizes[engine.model] = max(sizes.get(engine.model, 0.0), need.weights)
+    failures, notes = [], []
     for node in replica_nodes:
         node.weights = found.get(node.node_id, {})
         missing = [m for m, copy in node.weights.items() if copy is None]
@@ -324,7 +334,29 @@ def weights_cached(cfg, nodes: list[NodeCheck]) -> list[str]:
             notes.append(f"weights: {', '.join(missing)} not cached on node {node.node_ip} ({node.node_id[:12]}): the run "
                          f"downloads it into {cfg.model_cache} while its GPUs are held (staging_timeout_s "
                          f"{cfg.staging_timeout_s:g} s)")
-    return notes
+        where, available = free.get(node.node_id, ("?", 0))
+        wanted = sum(sizes.get(m, 0.0) for m in missing)
+        if wanted > available:
+            failures.append(f"disk: node {node.node_ip} ({node.node_id[:12]}) has {available / 1e9:.1f} GB free at "
+                            f"{where}; staging {', '.join(m for m in missing if m in sizes)} into {cfg.model_cache} "
+                            f"needs {wanted / 1e9:.1f} GB")
+        elif missing and any(m not in sizes for m in missing):
+            notes.append(f"disk: node {node.node_ip} has {available / 1e9:.1f} GB free at {where}; the size of "
+                         f"{', '.join(m for m in missing if m not in sizes)} is unknown (engine.memory)")
+    return failures, notes
+
+
+def staging_failures(cfg) -> list[str]:
+    """A GPU arm serving a hub id without model_cache: each server would download the weights
+    itself inside its own startup clock, into its node's default cache, progress unseen."""
+    from cluster.staging import hub_models
+
+    gpu_hub = hub_models(arm.engine.model for _, arm in _launched_arms(cfg) if arm.engine.device == "gpu")
+    if not gpu_hub or cfg.model_cache:
+        return []
+    return [f"model_cache: unset, so every GPU server downloads {', '.join(gpu_hub)} itself within its "
+            "engine.startup_timeout_s into its node's default cache; set model_cache (a path on every GPU node, "
+            "e.g. a volume at /mnt/model-cache) to stage it once per node before the engines start"]
 
 
 def memory_failures(cfg) -> list[str]:
@@ -365,7 +397,10 @@ def make_plan(cfg, modules: Sequence[str] = RUN_MODULES, placement_wait_s: float
     for check in nodes:
         for problem in check.problems:
             failures.append(f"node {check.node_ip} ({check.node_id[:12]}, {', '.join(check.roles)}): {problem}")
-    notes += weights_cached(cfg, nodes)
+    failures += staging_failures(cfg)
+    staged_failures, staged_notes = weights_cached(cfg, nodes)
+    failures += staged_failures
+    notes += staged_notes
     times = timeouts(cfg)
     if os.environ.get("RAY_JOB_ID"):
         grace = times["job_stop_wait_s"]

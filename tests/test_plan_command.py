@@ -46,6 +46,8 @@ def gpu_config(tmp_path, **top) -> str:
         "canary": {"replicas": 1, "engine": {**engine, "speculative_config": {"method": "mtp", "num_speculative_tokens": 3}}},
         "accuracy": {"enabled": False},
         "experiment": {"max_duration_s": 3600, "workers": 2, "worker_placement": "spread"},
+        # a GPU arm serving a hub id stages it first (plan refuses one without model_cache)
+        "model_cache": str(tmp_path / "model-cache"),
         **top,
     }
     path = tmp_path / "plan.yaml"
