@@ -28,7 +28,7 @@ def judged(capsys, *argv: str) -> tuple[int, list[dict]]:
 
 
 def run_config(tmp_path: Path, enabled: list[str] | None) -> Path:
-    """configs/local-cpu.yaml (40 requests per look, 200 per arm) with only `enabled` gates."""
+    """configs/local-cpu.yaml (40 requests per look, 600 per arm, a warm-up of one look) with only `enabled` gates."""
     data = yaml.safe_load((REPO / "configs" / "local-cpu.yaml").read_text())
     data["gates"]["enabled"] = enabled
     path = tmp_path / "run.yaml"
@@ -100,7 +100,7 @@ def test_ties_do_not_promote(tmp_path, capsys):
     code, [out] = judged(capsys, str(records), "--config", str(config))
     assert out["decision"] != "promote" and code != 0
     rng = np.random.default_rng(1)
-    n = 440  # the config's warm-up (one look) and its 400 planned per arm
+    n = 640  # the config's warm-up (one look) and its 600 planned per arm
     faster = write_records(tmp_path / "faster.jsonl", {"baseline": rng.lognormal(np.log(0.03), 0.2, n),
                                                        "canary": rng.lognormal(np.log(0.021), 0.2, n)},
                            ttft_by_arm={arm: rng.lognormal(np.log(0.05), 0.3, n) for arm in ("baseline", "canary")})

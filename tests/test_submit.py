@@ -189,11 +189,12 @@ def _records(tmp_path: Path) -> tuple[Path, Path, Path]:
 
     config = run_config(tmp_path, ["tpot_p50_improvement", "sample_ratio"])
     rng = np.random.default_rng(1)
-    faster = write_records(tmp_path / "faster.jsonl", {"baseline": rng.lognormal(np.log(0.03), 0.2, 200),
-                                                       "canary": rng.lognormal(np.log(0.021), 0.2, 200)},
-                           ttft_by_arm={arm: rng.lognormal(np.log(0.05), 0.3, 200) for arm in ("baseline", "canary")})
-    slower = write_records(tmp_path / "slower.jsonl", {"baseline": rng.lognormal(np.log(0.03), 0.2, 200),
-                                                       "canary": rng.lognormal(np.log(0.06), 0.2, 200)})
+    n = 640  # the demo config's warm-up (one look) and its 600 planned per arm
+    faster = write_records(tmp_path / "faster.jsonl", {"baseline": rng.lognormal(np.log(0.03), 0.2, n),
+                                                       "canary": rng.lognormal(np.log(0.021), 0.2, n)},
+                           ttft_by_arm={arm: rng.lognormal(np.log(0.05), 0.3, n) for arm in ("baseline", "canary")})
+    slower = write_records(tmp_path / "slower.jsonl", {"baseline": rng.lognormal(np.log(0.03), 0.2, n),
+                                                       "canary": rng.lognormal(np.log(0.06), 0.2, n)})
     return config, faster, slower
 
 
