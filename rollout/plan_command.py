@@ -264,7 +264,29 @@ def target_nodes(cfg, replicas: list[ReplicaPlan]) -> tuple[dict[str, list[str]]
                          f"{', '.join(cpu_only)} (experiment.worker_placement: auto, the default, keeps them there)")
     for node in locust:
         targets.setdefault(node, []).append("locust")
+    notes += shared_load_notes(cfg, nodes, driver, locust)
     return targets, notes
+
+
+def shared_load_notes(cfg, nodes: list[dict[str, Any]], driver: str, locust: list[str]) -> list[str]:
+    """What the load shares with GPU replicas: the router and driver on a GPU node, Locust workers
+    on GPU nodes (an all-GPU cluster has no CPU-only node to keep them to): their CPU use is then
+    in the arms' latency."""
+    from cluster.placement import alive_nodes
+
+    if not any(arm.engine.device == "gpu" for _, arm in _launched_arms(cfg)):
+        return []
+    gpu_nodes = {str(n["NodeID"]): n.get("NodeManagerAddress", "?") for n in alive_nodes(nodes)
+                 if n.get("Resources", {}).get("GPU", 0)}
+    notes = []
+    if driver in gpu_nodes:
+        notes.append(f"load: the driver and the router run on GPU node {gpu_nodes[driver]} ({driver[:12]}) beside "
+                     "replicas: submit to a cluster whose head has no GPU (KubeRay: num-gpus 0) to keep them apart")
+    shared = sorted(gpu_nodes[n] for n in set(locust) if n in gpu_nodes)
+    if shared and cfg.experiment.workers:
+        notes.append(f"load: {cfg.experiment.workers} Locust worker(s) share GPU node(s) {', '.join(shared)} with the "
+                     "replicas (no CPU-only node to keep them to): their CPU use is in the arms' latency")
+    return notes
 
 
 def wants_node_check(cfg) -> bool:
