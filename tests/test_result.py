@@ -66,12 +66,16 @@ ADDED_EXPERIMENT_FIELDS = {
     "dependence": {"looks": 0, "autocorrelation": {"baseline": None, "canary": None, "contrast": None},
                    "design_effect": None, "look_correlation_max": 0.5},
 }
+# what the plan could decide, per gate with power figures (rollout.judge.power), written since
+POWER_GATES = ("accuracy_noninferiority", "tpot_p50_improvement", "error_rate_guard", "acceptance_length_floor")
+ADDED_DETECTABLE_EFFECT = {"gate": "", "metric": "", "threshold": None, "sample": 0, "passed_at": None, "failed_at": None,
+                           "power": 0.8, "decidable": True, "assumptions": "", "text": "", "warning": None}
 # each look's prefix-cache counters per arm, recorded since (for `mtp-canary judge`'s prefix-cache gate)
 ADDED_LOOK_PREFIX_CACHE = {"baseline": None, "canary": None}
 # whose acceptance each arm's spec_decode is (rollout.judge.request_acceptance), unknown in the recorded runs
 ADDED_SPEC_DECODE_FIELDS = {"counted_from": None, "server_drafts": None, "server_mean_acceptance_length": None,
                             "other_traffic_steps": None, "other_traffic": None, "by_prompt_length": [], "by_turn": []}
-ADDED_ENGINE_FIELDS = {"per_request_spec_decode_metrics": True}
+ADDED_ENGINE_FIELDS = {"per_request_spec_decode_metrics": True, "pipeline_parallel_size": 1, "memory": None}
 # what preflight records since of each replica's server (rollout.engine_parity.EngineRun)
 ADDED_SERVER_FIELDS = {"vllm_version": None, "non_default_args": {}, "unparsed": None}
 # what the experiment records since of each arm's KV cache (arms.<arm>.kv)
@@ -107,6 +111,8 @@ def recorded_document(run: str) -> dict:
             if advice is not None:
                 doc["experiment"]["depth_advice"] = advice
     with_added_spec_decode_fields(doc)
+    doc.setdefault("detectable_effect", {g["name"]: dict(ADDED_DETECTABLE_EFFECT) for g in doc.get("gates") or []
+                                         if g["name"] in POWER_GATES})
     for record in doc.get("arms", {}).values():  # engine fields added since, at their defaults
         if record.get("tiny_model"):
             record["tiny_model"] = {**record["tiny_model"], **{
