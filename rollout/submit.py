@@ -275,9 +275,12 @@ def run_entrypoint(config: Path, working_dir: Path, runs_dir: Path) -> list[str]
     relative = Path(config).resolve().relative_to(Path(working_dir).resolve())
     if Path(runs_dir).is_absolute():
         return ["python", "-m", "rollout", "run", str(relative), "--runs-dir", str(runs_dir)]
-    # $HOME expands in the driver's shell (Ray runs the entrypoint with sh); the paths ride as $1, $2
-    return ["sh", "-c", f'exec python -m rollout run "$1" --runs-dir "$HOME/{DRIVER_RUNS_ROOT}/$2"',
-            "mtp-canary", str(relative), str(runs_dir)]
+    # $HOME expands in the driver's shell (Ray runs the entrypoint with sh); the paths ride as $1, $2.
+    # `~/x` is the driver's home too, never the submitter's.
+    text = str(runs_dir)
+    under = "$HOME" if text == "~" or text.startswith("~/") else f"$HOME/{DRIVER_RUNS_ROOT}"
+    rest = text[2:] if text.startswith("~/") else ("." if text == "~" else text)
+    return ["sh", "-c", f'exec python -m rollout run "$1" --runs-dir "{under}/$2"', "mtp-canary", str(relative), rest]
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -48,3 +48,11 @@ def test_an_absolute_runs_dir_is_the_heads_path_as_given(tmp_path):
     argv = submit.run_entrypoint(CONFIG, REPO, Path("/mnt/runs"))
     args = cli.build_parser().parse_args(argv[3:])
     assert argv[:3] == ["python", "-m", "rollout"] and args.runs_dir == "/mnt/runs"
+
+
+def test_a_tilde_runs_dir_is_the_drivers_home(tmp_path):
+    head_home, job_dir = tmp_path / "head-home", tmp_path / "job"
+    head_home.mkdir()
+    job_dir.mkdir()
+    argv = driver_argv(submit.run_entrypoint(CONFIG, REPO, Path("~/canary-runs")), head_home, job_dir)
+    assert cli.build_parser().parse_args(argv[2:]).runs_dir == f"{head_home}/canary-runs"
