@@ -5,7 +5,7 @@ resumed run, and finally acted on: the router sends 100% to the winner."""
 from __future__ import annotations
 
 from rollout.judge.names import GATE_PHASES
-from rollout.judge.verdicts import Decision, Verdict, decide, is_enabled, missing_gates
+from rollout.judge.verdicts import Decision, Verdict, counted_gates, decide, missing_gates
 from rollout.phases.candidates import candidates_reason
 from rollout.resume import JUDGED, PRE_JUDGEMENT_PHASES, Judgement
 from rollout.run_context import RunContext
@@ -18,7 +18,7 @@ def decide_now(ctx: RunContext) -> None:
     the reason names it and what to change (rollout.judge.verdicts.decide).
     """
     gates_cfg = ctx.cfg.gates
-    considered = [g for g in ctx.result.gates if g.name.startswith("preflight") or is_enabled(g.name, gates_cfg)]
+    considered = counted_gates(ctx.result.gates, gates_cfg)  # checks it cannot name (other traffic) always count
     decision = decide(considered, gates_cfg)
     failed = [g.name for g in considered if g.verdict == Verdict.FAIL]
     open_ = [g.name for g in considered if g.verdict == Verdict.INCONCLUSIVE]
