@@ -428,13 +428,19 @@ def _cmd_history(args: argparse.Namespace) -> int:
     store = _open_store(args.runs_dir, "history")
     if store is None:
         return EXIT_USAGE
+    from rollout.store import same_question_runs
+
     stable = store.stable_run_ids()
     for run in store.runs():
         decision = run["decision"] or run["status"]
         if run["run_id"] in stable:
             decision += " (stable)"
+        # a comparison asked again spends its alpha again: which attempt at it this run was
+        same = [r["run_id"] for r in same_question_runs(store, run["run_id"])]
+        tries = f"  attempt {same.index(run['run_id']) + 1}/{len(same)}" if len(same) > 1 else ""
         why = " ".join((run["reason"] or "").split())
-        print(f"{run['run_id']}  {run['model']}  [{_arms_of(run['config_json'])}]  {decision}  {_when(run['created_at'])}  {why}")
+        print(f"{run['run_id']}  {run['model']}  [{_arms_of(run['config_json'])}]  {decision}{tries}  "
+              f"{_when(run['created_at'])}  {why}")
     return 0
 
 

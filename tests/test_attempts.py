@@ -76,3 +76,19 @@ def test_a_first_attempt_says_nothing(tmp_path):
                           result=RunResult(run_id="a1", run_dir=tmp_path, config=cfg))
     attempts_note(ctx)
     assert lines == [] and "attempts" not in decision_document(ctx.result)
+
+
+def test_history_says_which_attempt_at_a_comparison_each_run_was(tmp_path, capsys):
+    from rollout.cli import main
+
+    store = RunStore(tmp_path / "history.db")
+    cfg = config()
+    add_run(store, "a1", cfg, "inconclusive")
+    add_run(store, "a2", cfg, "rollback")
+    add_run(store, "other", config(canary={"engine": {**cfg.canary.engine.model_dump(mode="json"),
+                                                       "speculative_config": {"method": "mtp", "num_speculative_tokens": 2}}}),
+            "rollback")
+    store.close()
+    assert main(["history", "--runs-dir", str(tmp_path)]) == 0
+    lines = {line.split()[0]: line for line in capsys.readouterr().out.splitlines()}
+    assert "attempt 1/2" in lines["a1"] and "attempt 2/2" in lines["a2"] and "attempt" not in lines["other"]
