@@ -46,6 +46,7 @@ ENGINE_FIELDS = (
     "dtype",
     "max_model_len",
     "tensor_parallel_size",
+    "pipeline_parallel_size",
     "speculative_config",
     "enforce_eager",
     "trust_remote_code",

@@ -376,3 +376,9 @@ def test_every_cpu_limit_can_be_declared_under_test():
 def test_a_log_line_that_is_no_plain_literal_is_kept_as_text_not_a_crash():
     args, text = parse_non_default_args("INFO 12-02 01:00:00 [utils.py:1] non-default args: {[1]: 2}")
     assert args is None and text == "{[1]: 2}"
+
+
+def test_arms_laid_out_over_other_pipeline_stages_differ_in_it():
+    """A replica's pipeline stages change its GPUs and its speed: a difference the parity check names."""
+    found = engine_differences(engine(device="gpu"), engine(device="gpu", pipeline_parallel_size=2))
+    assert [(d.field, d.baseline, d.candidate) for d in found] == [("pipeline_parallel_size", "1", "2")]

@@ -215,7 +215,7 @@ class StartFleet:
         # held from here (placement reserves the GPUs) to the decision: decision.json `usage`
         ctx.fleet_since = time.time()
         ctx.result.usage = UsageSummary.held(
-            gpus=sum(a.replicas * a.engine.tensor_parallel_size for a in arms if a.engine.device == "gpu"),
+            gpus=sum(a.replicas * a.engine.world_size for a in arms if a.engine.device == "gpu"),
             replicas=sum(a.replicas for a in arms), held_s=0.0)
         previous_router = find_actor(ROUTER_NAME, namespace=ctx.namespace) if ctx.resuming else None
         if ctx.resuming and ctx.fleet.attach():
