@@ -475,10 +475,12 @@ def trial_sets(design: CalibrationDesign) -> dict[str, TrialSpec]:
             sets[f"noise_floor/{name}"] = spec
         for count, scenario in CANDIDATE_ROWS:
             sets[f"candidates/{count}/{scenario}"] = TrialSpec(scenario=scenario, tpot_ratio=bar, candidates=count)
+        # as the run config runs them: with its twin baseline (a true A/A twin in the same world) when it has one
+        twin = 1.0 if design.twin else None
         for scenario in DEPENDENCE_SCENARIOS:
-            sets[f"{scenario}/at_bar"] = TrialSpec(scenario=scenario, tpot_ratio=bar)
-            sets[f"{scenario}/aa"] = TrialSpec(scenario=scenario)
-            sets[f"{scenario}/good"] = TrialSpec(scenario=scenario, tpot_ratio=GOOD_CANARY_TPOT_RATIO)
+            sets[f"{scenario}/at_bar"] = TrialSpec(scenario=scenario, tpot_ratio=bar, twin_tpot_ratio=twin)
+            sets[f"{scenario}/aa"] = TrialSpec(scenario=scenario, twin_tpot_ratio=twin)
+            sets[f"{scenario}/good"] = TrialSpec(scenario=scenario, tpot_ratio=GOOD_CANARY_TPOT_RATIO, twin_tpot_ratio=twin)
         cfg_limit = design.gates
         if is_enabled("error_rate_guard", cfg_limit):
             sets[f"{BURST_SCENARIO}/error_limit"] = TrialSpec(
