@@ -17,12 +17,13 @@ from tests.test_rejudge import REPO, judged, write_records
 
 
 def run_dir(tmp_path: Path, run_gates: dict) -> Path:
-    """A run directory: a clearly faster canary's records and the decision.json of a run judged with `run_gates`."""
+    """A run directory: a clearly faster canary's records (the demo plan's warm-up and 600 per arm) and the
+    decision.json of a run judged with `run_gates`."""
     rng = np.random.default_rng(7)
     directory = tmp_path / "run"
     (directory / "experiment").mkdir(parents=True)
     write_records(directory / "experiment" / "records.jsonl",
-                  {"baseline": rng.lognormal(np.log(0.03), 0.1, 300), "canary": rng.lognormal(np.log(0.02), 0.1, 300)})
+                  {"baseline": rng.lognormal(np.log(0.03), 0.1, 640), "canary": rng.lognormal(np.log(0.02), 0.1, 640)})
     exp = load_config(REPO / "configs" / "local-cpu.yaml").experiment  # the run's look plan: the judge config's
     doc = {"run_id": "run", "decision": "inconclusive", "gates": [], "spec_decode": {}, "arms": {},
            "experiment": {"requests_per_look": exp.requests_per_look, "requests_per_arm_planned": exp.requests_per_arm,
