@@ -31,6 +31,16 @@ Repeated looks -- group-sequential boundaries with alpha spending.
     each one-sided decision (promote side, rollback side) errs with
     probability <= alpha over all looks together.
 
+Looks that are not independent -- a long-run variance over the looks.
+    A replica's level persists (its neighbours, its batch mix, drift), so consecutive
+    looks are alike, and a cluster variance that treats G looks as independent is
+    biased down; t on G - 1 df does not fix a bias. The arms' per-look contrast gets the
+    Bartlett long-run variance with the whole series as bandwidth (Kiefer, Vogelsang &
+    Bunzel 2000), whose null law is simulated per look count as the worst case over
+    AR(1) look-to-look correlations up to a bound (``drift_long_run_variance``,
+    ``drift_critical_value``): a look count's critical values are fixed numbers, the same
+    in the controller and in every calibration worker.
+
 Latency quantile ratios -- exact order-statistic bounds, widened for blocks.
     Latency is heavy-tailed (queueing, preemption stalls), so no parametric
     model. Each arm's q-quantile gets one-sided distribution-free bounds at
@@ -580,18 +590,14 @@ def paired_block_variance_factor(
     the union of blocks, each arm's own over its blocks. NaN without 2 blocks or
     without variance.
     """
-    ids = np.union1d(ids_a, ids_b)
-    g = ids.size
-    if g < 2 or ids_a.size < 2 or ids_b.size < 2:
+    if ids_a.size < 2 or ids_b.size < 2:
         return float("nan")
-    a = np.zeros(g)
-    b = np.zeros(g)
-    a[np.searchsorted(ids, ids_a)] = scale_a * sums_a
-    b[np.searchsorted(ids, ids_b)] = scale_b * sums_b
+    a, b, contrast = paired_look_series(ids_a, sums_a, scale_a, ids_b, sums_b, scale_b)
+    g = contrast.size
     own = ids_a.size / (ids_a.size - 1) * float(np.sum(a**2)) + ids_b.size / (ids_b.size - 1) * float(np.sum(b**2))
     if not (math.isfinite(own) and own > 0.0):
         return float("nan")
-    return g / (g - 1) * float(np.sum((a - b) ** 2)) / own
+    return g / (g - 1) * float(np.sum(contrast**2)) / own
 
 
 def paired_look_series(
