@@ -23,7 +23,7 @@ from rollout.config import parse_config
 from rollout.crossover import LevelResult, crossing
 from rollout.depth_advice import DepthArm, advise_depth
 from rollout.judge.config import GatesConfig
-from rollout.judge.verdicts import Decision
+from rollout.judge.verdicts import Decision, is_enabled
 from rollout.report import markdown_report
 from rollout.result import RunResult, SweepCrossover, UsageSummary, decision_document
 from tests.conftest import REPO
@@ -111,8 +111,10 @@ def recorded_document(run: str) -> dict:
             if advice is not None:
                 doc["experiment"]["depth_advice"] = advice
     with_added_spec_decode_fields(doc)
-    doc.setdefault("detectable_effect", {g["name"]: dict(ADDED_DETECTABLE_EFFECT) for g in doc.get("gates") or []
-                                         if g["name"] in POWER_GATES})
+    # the plan's figures are per gate the config enables (whether or not the run got to judge it)
+    gates_cfg = GatesConfig(**doc["gates_config"])
+    doc.setdefault("detectable_effect", {name: dict(ADDED_DETECTABLE_EFFECT) for name in POWER_GATES
+                                         if is_enabled(name, gates_cfg)})
     for record in doc.get("arms", {}).values():  # engine fields added since, at their defaults
         if record.get("tiny_model"):
             record["tiny_model"] = {**record["tiny_model"], **{

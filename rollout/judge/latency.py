@@ -1127,13 +1127,18 @@ class LookDependence(pydantic.BaseModel):
 
 
 def look_dependence(baseline: LatencySamples, canary: LatencySamples, cfg: GatesConfig) -> LookDependence | None:
-    """The TPOT p50's dependence across looks as the objective's intervals see it (None without looks in both)."""
+    """The TPOT p50's dependence across looks as the objective's intervals see it (None without looks in both;
+    its numbers None before two looks of both arms)."""
     b_series, c_series = _arm_series(baseline, "tpot_s"), _arm_series(canary, "tpot_s")
     if b_series.looks is None or c_series.looks is None or not (b_series.values.size and c_series.values.size):
         return None
     pair = _pair_arms(b_series.up_to(None, 0.5), c_series.up_to(None, 0.5), 0.5, cfg.look_correlation_max)
     if not math.isfinite(pair.pairing):
-        return None
+        return LookDependence(
+            looks=int(np.union1d(b_series.looks, c_series.looks).size),
+            autocorrelation={"baseline": None, "canary": None, "contrast": None},
+            design_effect=None, look_correlation_max=cfg.look_correlation_max,
+        )
     rb, rc, rd = (finite_or_none(r) for r in pair.autocorrelation)
     return LookDependence(
         looks=pair.looks, autocorrelation={"baseline": rb, "canary": rc, "contrast": rd},
