@@ -18,6 +18,7 @@ import pytest
 from benchmarks.stream_target import TargetProcess
 from loadtests.swarm import SwarmError
 from rollout.config import ExperimentConfig
+from tests.conftest import wait_until_gone
 from tests.experiment_harness import GATES, once_the_load_flows, routed, run_experiment
 
 
@@ -59,8 +60,4 @@ def test_a_locust_worker_killed_mid_experiment_ends_it_as_an_error_naming_it(loc
                     run_experiment(tmp_path, router, url, exp, GATES)
     assert killed, "the load never flowed"
     assert time.monotonic() - killed[0] < 60  # at once, not at max_duration_s
-    deadline = time.monotonic() + 15
-    while any(psutil.pid_exists(p) for p in seen["pids"]) and time.monotonic() < deadline:
-        time.sleep(0.5)
-    left = [p for p in seen["pids"] if psutil.pid_exists(p) and psutil.Process(p).status() != psutil.STATUS_ZOMBIE]
-    assert left == [], "Locust processes of this load outlived it"
+    assert wait_until_gone(seen["pids"], 15) == [], "Locust processes of this load outlived it"
