@@ -16,6 +16,10 @@ replica's node) into `logs_back_to`, capped and redacted, so it outlives a RayJo
 An arm with `endpoints` is servers someone else runs: one `cluster.external_replica` actor per
 URL, with nothing reserved, bound, staged, launched or stopped for it; its start is only the
 wait for each server's /health.
+
+Beyond loopback each launched server requires a key of its own (cluster.replica); the fleet asks
+its actor for it once the server launched or was adopted, and keeps it in memory: upstream_keys()
+is what the router and the preflight send.
 """
 
 from __future__ import annotations
@@ -96,6 +100,7 @@ class ReplicaHandle:
     arm: str
     actor: "ray.actor.ActorHandle"
     status: ReplicaStatus | None = None
+    api_key: str | None = field(default=None, repr=False)  # the key its server requires on /v1; never written
 
     @property
     def url(self) -> str | None:
@@ -278,6 +283,7 @@ class Fleet:
                 max(CONTROL_TIMEOUT_S, timeout_s - (time.monotonic() - started)), "launch their servers")
             for handle, st in zip(self.replicas, statuses):
                 handle.status = st
+            self._take_keys(self.replicas)
             self._wait_all_ready(started, timeout_s)
         except BaseException:
             self.teardown()
@@ -373,6 +379,10 @@ class Fleet:
             return False
         for handle, st in zip(handles, statuses):
             handle.status = st
+        try:
+            self._take_keys(handles)
+        except (ray.exceptions.RayError, FleetStartError):
+            return False
         self.replicas = handles
         self.cpu_cores = self.plan_cpu_cores()  # what the earlier process planned (same rule, same cluster)
         if self.detached:
@@ -398,12 +408,30 @@ class Fleet:
                 by_arm[r.arm].append(r.url)
         return by_arm if arm is None else by_arm[arm]
 
+    def _take_keys(self, handles: list[ReplicaHandle]) -> None:
+        """Each launched replica's key on /v1, asked of its actor (an actor of an earlier version has
+        no api_key: its server was started without one)."""
+        external = {arm.name for arm in self.arms if arm.external}
+        asked = []
+        for handle in handles:
+            if handle.arm in external:
+                continue
+            try:
+                asked.append((handle, handle.actor.api_key.remote()))
+            except AttributeError:
+                continue
+        keys = _get_or_fail([ref for _, ref in asked], CONTROL_TIMEOUT_S, "say their keys")
+        for (handle, _), key in zip(asked, keys):
+            handle.api_key = key
+
     def upstream_keys(self) -> dict[str, str]:
-        """replica URL -> the key its engine requires on /v1 (--api-key), for replicas that need one.
+        """replica URL -> the key its server requires on /v1 (its engine's --api-key, or the one it
+        made for itself beyond loopback), for replicas that need one.
 
         In memory only: the router and the preflight send it; nothing writes it."""
         keys = {a.name: a.engine.api_key for a in self.arms}
-        return {r.url: keys[r.arm] for r in self.replicas if r.url and keys.get(r.arm)}
+        out = {r.url: r.api_key or keys.get(r.arm) for r in self.replicas if r.url}
+        return {url: key for url, key in out.items() if key}
 
     def upstream_key(self, handle: ReplicaHandle) -> str | None:
         return self.upstream_keys().get(handle.url) if handle.url else None

@@ -8,6 +8,12 @@ whole group gracefully (SIGTERM, then SIGKILL), and hands its log over for copyi
 (`use_staged_weights`: cluster.staging). A watchdog (`cluster.reaper`)
 kills the group if the actor dies without stopping it.
 
+A server bound beyond loopback with no key of its config's gets one of its own (`api_key`):
+made in the actor, handed to vLLM by $VLLM_API_KEY (never its command line), kept only in the
+actor's memory and given to the fleet over Ray, so a run that adopts the replica after a crash
+asks the actor again and nothing on disk holds it. vLLM 0.32 guards /v1 with it (/health and
+/metrics stay open: the replica's own probes and scrapes need no key).
+
 `launch()` returns at once so a fleet can start every replica in parallel and
 poll them; start-up of a server is minutes on a CPU and on a big GPU model.
 """
@@ -16,6 +22,7 @@ from __future__ import annotations
 
 import os
 import re
+import secrets
 import socket
 import subprocess
 import sys
@@ -28,12 +35,13 @@ from pathlib import Path
 import ray
 import requests
 
-from cluster.engine_spec import EngineSpec, printable_args, vllm_flag_name
+from cluster.engine_spec import API_KEY_ENV, EngineSpec, printable_args, vllm_flag_name
 from cluster.lease import Lease
 from cluster.log_cause import failure_cause
 from cluster.metrics import MetricsSnapshot, fetch_metrics_text, parse_metrics
 from cluster.reaper import start_watchdog, stop_group
 from cluster.replica_environment import collect as collect_environment
+from cluster.router_limits import is_loopback
 
 # Engine warnings worth a line in the report. The first is the MiMo-V2 MTP
 # layer reuse (vLLM loads MTP layer 0 only and runs it k times).
@@ -182,6 +190,8 @@ class VLLMReplicaServer:
         self._port_retries = 0
         self._log_offset = 0
         self._lease = Lease(f"replica {name}", on_lapse=self._abandoned)
+        # beyond loopback anyone on the network could load an arm and steer the verdict
+        self._own_key = None if self.spec.api_key or is_loopback(host) else secrets.token_urlsafe(32)
 
     # -- start -----------------------------------------------------------------
     def planned_launch(self, port: int = 0) -> tuple[list[str], dict[str, str]]:
@@ -189,7 +199,13 @@ class VLLMReplicaServer:
         gpu_ids = [str(g) for g in ray.get_gpu_ids()] if self.spec.device == "gpu" else None
         command, token = hub_token_out_of(self.spec.command(port or 0, host=self.host))
         env = self.spec.environment(gpu_ids=gpu_ids, iomp_path=iomp_library())
+        if self._own_key:
+            env[API_KEY_ENV] = self._own_key
         return command, {**env, HUB_TOKEN_ENV: token} if token else env
+
+    def api_key(self) -> str | None:
+        """The key this server requires on /v1 (its config's, or its own beyond loopback); None: open."""
+        return self.spec.api_key or self._own_key
 
     def where(self) -> tuple[str, str]:
         """(node id, node IP) of this actor: where its server runs and its log lies."""
