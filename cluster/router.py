@@ -237,6 +237,9 @@ class RouterState(TypedDict):
     # requests and connections refused before routing, by cause (not in any arm's counts):
     # unauthorized, bad_target, body_too_large, body_timeout, connections
     refused: dict[str, int]
+    # arm -> requests answered 503 because every replica of the arm was ejected at once, since the
+    # router started (kept by reset_counts: a run's record says the arm was out, in whichever phase)
+    wholly_ejected: dict[str, int]
     auth_required: bool  # a bearer token is required (its value is never reported)
     limits: dict[str, Any]  # RouterLimits as a dict
 
@@ -293,6 +296,7 @@ class RouterServer:
         self._arm_counters: dict[str, RouteCounter] = {arm: RouteCounter() for arm in DEFAULT_ARMS}
         self._turns: dict[str, int] = {}
         self._refused: Counter[str] = Counter()
+        self._wholly_ejected: Counter[str] = Counter()
         self._forwarder = Forwarder(self._limits)
         self._token: str | None = None
         self._runner: web.AppRunner | None = None
@@ -486,6 +490,7 @@ class RouterServer:
             "arm_counts": arm_counts,
             "replica_counts": replica_counts,
             "refused": dict(self._refused),
+            "wholly_ejected": dict(self._wholly_ejected),
             "auth_required": self._token is not None,
             "limits": self._limits.model_dump(mode="json"),
         }
@@ -558,6 +563,7 @@ class RouterServer:
             # Failing closed: the arm's errors must reach the guards, not vanish in a retry elsewhere.
             arm_counter.rejected += 1
             arm_counter.errors += 1
+            self._wholly_ejected[arm] += 1
             return error_response(
                 503, f"arm {arm!r} ({how}): every replica is ejected after consecutive failures",
                 "service_unavailable", headers={ARM_HEADER: arm},
@@ -664,6 +670,14 @@ class RouterClient:
             arm: int(c["routed"]) + (int(c["rejected"]) if with_rejected else 0)
             for arm, c in state["arm_counts"].items()
         }
+
+    def wholly_ejected(self) -> dict[str, int] | None:
+        """arm -> requests refused because every replica of the arm was ejected at once (since the
+        router started); None when the router does not answer."""
+        try:
+            return dict(self.state().get("wholly_ejected") or {})
+        except Exception:
+            return None
 
     def stop(self) -> None:
         """Stop serving and end the actor (quietly: it may be gone already)."""

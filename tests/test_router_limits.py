@@ -272,6 +272,9 @@ def test_every_replica_ejected_answers_503_naming_the_arm_counted_as_its_error(h
     assert baseline.status_code == 200
     counts = harness.state(server)["arm_counts"]["canary"]
     assert counts["errors"] == 6 and counts["routed"] == 2 and counts["rejected"] == 4
+    # the arm was wholly out: said apart from "no replicas", and kept past a reset of the counts (a run's record)
+    harness.run(server.reset_counts())
+    assert harness.state(server)["wholly_ejected"] == {"canary": 4}
 
 
 # --------------------------------------------------------------------------
