@@ -36,6 +36,8 @@ from dataclasses import dataclass, field
 
 from prometheus_client.parser import text_string_to_metric_families
 
+from cluster.bounded_body import BodyLimitError, read_bounded
+
 DRAFTS = "vllm:spec_decode_num_drafts_total"
 DRAFT_TOKENS = "vllm:spec_decode_num_draft_tokens_total"
 ACCEPTED_TOKENS = "vllm:spec_decode_num_accepted_tokens_total"
@@ -73,16 +75,10 @@ def fetch_metrics_text(url: str, timeout_s: float = 10.0, deadline_s: float = ME
     started = time.monotonic()
     with requests.get(url, timeout=timeout_s, stream=True) as response:
         response.raise_for_status()
-        body = bytearray()
-        while True:
-            piece = response.raw.read1(1 << 16)  # what one read brings, not a full 64 KiB
-            if not piece:
-                break
-            body += piece
-            if len(body) > max_bytes:
-                raise MetricsPageError(f"{url}: the page ran past {max_bytes} bytes")
-            if time.monotonic() - started > deadline_s:
-                raise MetricsPageError(f"{url}: the page took longer than {deadline_s:g} s")
+        try:
+            body = read_bounded(response, max_bytes, deadline_s, started)
+        except BodyLimitError as exc:
+            raise MetricsPageError(f"{url}: {str(exc).replace('the body', 'the page')}") from None
     return body.decode(response.encoding or "utf-8", errors="replace")
 
 

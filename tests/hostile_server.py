@@ -9,6 +9,13 @@ Each path is one fault (stdlib only, a thread of the test's process):
   /v1/trickle              a 200 SSE stream of a byte every 0.2 s, forever
   /v1/forged-arm           a good stream whose x-mtp-canary-arm says "canary", whatever was asked
   /v1/error-endless        an HTTP 500 whose body never ends
+
+Served as an `endpoints:` server of a whole run, a fault is a base URL (`s.url + "/trickle"`):
+  <fault>/health           200 at once (the fleet takes it as ready)
+  <fault>/metrics          a small good vLLM page
+  /trickle/v1/completions  (as above) every request, the preflight's smoke request too
+  /evals-trickle/v1/completions  a good JSON completion, except an accuracy eval's request
+                           (return_token_ids) which trickles a byte every 0.2 s, forever
 """
 
 from __future__ import annotations
@@ -20,6 +27,9 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 CHUNK = b'data: {"id":"cmpl-1","object":"text_completion","choices":[{"index":0,"text":"a","finish_reason":null}]}\n\n'
 DONE = (b'data: {"id":"cmpl-1","object":"text_completion","choices":[{"index":0,"text":"","finish_reason":"length"}],'
         b'"usage":{"prompt_tokens":4,"completion_tokens":2,"total_tokens":6}}\n\ndata: [DONE]\n\n')
+GOOD_PAGE = "# TYPE vllm:request_success_total counter\nvllm:request_success_total{finished_reason=\"length\"} 0.0\n"
+GOOD_COMPLETION = (b'{"id":"cmpl-1","object":"text_completion","choices":[{"index":0,"text":" 2","token_ids":[7],'
+                   b'"finish_reason":"length"}],"usage":{"prompt_tokens":4,"completion_tokens":1,"total_tokens":5}}')
 HUGE_POSITION_PAGE = (
     "# TYPE vllm:spec_decode_num_drafts_total counter\n"
     "vllm:spec_decode_num_drafts_total 10.0\n"
@@ -53,8 +63,19 @@ class _Handler(BaseHTTPRequestHandler):
         except OSError:  # the client hung up: what a cap does
             pass
 
+    def _whole(self, body: bytes, content_type: str) -> None:
+        self.send_response(200)
+        self.send_header("Content-Type", content_type)
+        self.send_header("Content-Length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
     def do_GET(self) -> None:  # noqa: N802 (http.server's name)
-        if self.path == "/metrics/huge-position":
+        if self.path.count("/") == 2 and self.path.endswith("/health"):  # a fault's base URL, as a server's
+            self._whole(b"", "text/plain")
+        elif self.path.count("/") == 2 and self.path.endswith("/metrics"):
+            self._whole(GOOD_PAGE.encode(), "text/plain")
+        elif self.path == "/metrics/huge-position":
             body = HUGE_POSITION_PAGE.encode()
             self.send_response(200)
             self.send_header("Content-Type", "text/plain")
@@ -72,8 +93,14 @@ class _Handler(BaseHTTPRequestHandler):
 
     def do_POST(self) -> None:  # noqa: N802
         length = int(self.headers.get("Content-Length") or 0)
-        self.rfile.read(length)
-        if self.path.endswith("/no-newline/v1/completions"):
+        body = self.rfile.read(length)
+        if self.path.endswith("/evals-trickle/v1/completions"):
+            if b"return_token_ids" in body:
+                self._stream_head()
+                self._forever(b" ", every_s=0.2)
+            else:
+                self._whole(GOOD_COMPLETION, "application/json")
+        elif self.path.endswith("/no-newline/v1/completions"):
             self._stream_head()
             self._forever(b"data: " + b"x" * 65536)
         elif self.path.endswith("/endless/v1/completions"):

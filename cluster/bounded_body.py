@@ -1,0 +1,33 @@
+"""A bounded HTTP response body: read within a byte cap and a total deadline.
+
+A replica (or an `endpoints:` server) may be broken or hostile: a body that never ends, or one
+that trickles a byte at a time (each read within its timeout, the whole forever). Every client
+of a replica that reads a body (the /metrics scrape, the preflight's smoke request, the accuracy
+evals) reads it here, so none of them can hang the run or fill its memory.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Any
+
+
+class BodyLimitError(ValueError):
+    """A body past its byte cap or its deadline (the message says which)."""
+
+
+def read_bounded(response: Any, max_bytes: int, deadline_s: float, started: float | None = None) -> bytes:
+    """The body of a `requests` response opened with stream=True; BodyLimitError past `max_bytes` or
+    `deadline_s` after `started` (a monotonic time; None: now). Each read still waits at most the
+    request's own timeout, so a server that sends nothing at all ends at that timeout."""
+    started = time.monotonic() if started is None else started
+    body = bytearray()
+    while True:
+        piece = response.raw.read1(1 << 16)  # what one read brings, not a full 64 KiB
+        if not piece:
+            return bytes(body)
+        body += piece
+        if len(body) > max_bytes:
+            raise BodyLimitError(f"the body ran past {max_bytes} bytes")
+        if time.monotonic() - started > deadline_s:
+            raise BodyLimitError(f"the body took longer than {deadline_s:g} s")
