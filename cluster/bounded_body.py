@@ -8,6 +8,7 @@ evals) reads it here, so none of them can hang the run or fill its memory.
 
 from __future__ import annotations
 
+import threading
 import time
 from typing import Any
 
@@ -16,16 +17,20 @@ class BodyLimitError(ValueError):
     """A body past its byte cap or its deadline (the message says which)."""
 
 
-def read_bounded(response: Any, max_bytes: int, deadline_s: float, started: float | None = None) -> bytes:
-    """The body of a `requests` response opened with stream=True; BodyLimitError past `max_bytes` or
-    `deadline_s` after `started` (a monotonic time; None: now). Each read still waits at most the
-    request's own timeout, so a server that sends nothing at all ends at that timeout."""
+def read_bounded(response: Any, max_bytes: int, deadline_s: float, started: float | None = None,
+                 cancelled: threading.Event | None = None) -> bytes:
+    """The body of a `requests` response opened with stream=True; BodyLimitError past `max_bytes`,
+    `deadline_s` after `started` (a monotonic time; None: now), or once `cancelled` is set (a phase
+    past its own deadline). Each read still waits at most the request's own timeout, so a server
+    that sends nothing at all ends at that timeout."""
     started = time.monotonic() if started is None else started
     body = bytearray()
     while True:
         piece = response.raw.read1(1 << 16)  # what one read brings, not a full 64 KiB
         if not piece:
             return bytes(body)
+        if cancelled is not None and cancelled.is_set():
+            raise BodyLimitError("the read was cancelled")
         body += piece
         if len(body) > max_bytes:
             raise BodyLimitError(f"the body ran past {max_bytes} bytes")
