@@ -17,6 +17,10 @@ class BodyLimitError(ValueError):
     """A body past its byte cap or its deadline (the message says which)."""
 
 
+class BodyDeadlineError(BodyLimitError):
+    """A body not whole by its deadline, or cancelled (its phase past its own)."""
+
+
 def read_bounded(response: Any, max_bytes: int, deadline_s: float, started: float | None = None,
                  cancelled: threading.Event | None = None) -> bytes:
     """The body of a `requests` response opened with stream=True; BodyLimitError past `max_bytes`,
@@ -30,9 +34,9 @@ def read_bounded(response: Any, max_bytes: int, deadline_s: float, started: floa
         if not piece:
             return bytes(body)
         if cancelled is not None and cancelled.is_set():
-            raise BodyLimitError("the read was cancelled")
+            raise BodyDeadlineError("the read was cancelled")
         body += piece
         if len(body) > max_bytes:
             raise BodyLimitError(f"the body ran past {max_bytes} bytes")
         if time.monotonic() - started > deadline_s:
-            raise BodyLimitError(f"the body took longer than {deadline_s:g} s")
+            raise BodyDeadlineError(f"the body took longer than {deadline_s:g} s")
