@@ -25,6 +25,7 @@ schedule, configurable tokens per SSE chunk) it measures, in one run:
    with what the target sent, nothing before the schedule); the figures are judged here.
 
     python benchmarks/loadgen.py [--quick] [--json]
+    python benchmarks/loadgen.py --peers [...]   # beside GuideLLM, AIPerf, inference-perf: benchmarks/peers.py
 
 `--json` prints one object with flat dotted keys; `--quick` finishes within a minute.
 Targets: TPOT median relative error <= 1%, TTFT p99 error vs the schedule <= 2 ms at half
@@ -169,7 +170,11 @@ async def _vllm_closed_loop(url: str, users: int, n_requests: int, tokens: int) 
             "tokens": result["total_output_tokens"], "errors": errors,
             "ttft_p99_ms": percentile([1000.0 * ttft for ttft, _, _ in done], 99),
             "tpot_median_ms": statistics.median(1000.0 * (latency - ttft) / (n - 1) for ttft, latency, n in done)
-            if done else None}
+            if done else None,
+            # for the peers benchmark: its median TTFT, its ITL (per chunk as it times it) and tokens per request
+            "ttft_p50_ms": percentile([1000.0 * ttft for ttft, _, _ in done], 50),
+            "itl_p50_ms": percentile([1000.0 * gap for gaps in result.get("itls", []) for gap in gaps], 50),
+            "tokens_per_request": statistics.median(n for _, _, n in done) if done else None}
 
 
 def run_vllm_client(url: str, users: int, n_requests: int, tokens: int) -> dict[str, Any]:
@@ -502,6 +507,11 @@ def table(out: dict[str, Any], mode: str) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
+    argv = sys.argv[1:] if argv is None else argv
+    if "--peers" in argv:  # the side-by-side run against other projects' clients: benchmarks/peers.py
+        from benchmarks.peers import main as peers_main
+
+        return peers_main([arg for arg in argv if arg != "--peers"])
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--quick", action="store_true", help="short runs: finishes within 60 s")
     parser.add_argument("--json", action="store_true", help="print one JSON object with flat dotted keys")

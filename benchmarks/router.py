@@ -25,6 +25,11 @@ On a machine with few cores the load generator shares them with everything else;
 average at the start is reported with the results, read them with it.
 
 Usage:  python benchmarks/router.py [--quick] [--json] [--event-interval-ms 40]
+
+3. Beside a peer: `--peer vllm-router` puts vLLM's own router (its PyPI wheel's binary, pinned,
+   installed into a venv of its own under benchmarks/peers.py's cache) and ours in front of the
+   same target: the added TTFB p50/p99 of each (direct and both routers in turns), and each
+   router's CPU per stream (router pinned to one core, CPU ms per stream-second at fixed loads).
 """
 
 from __future__ import annotations
@@ -36,10 +41,12 @@ import math
 import os
 import re
 import select
+import socket
 import subprocess
 import sys
 import tempfile
 import time
+import urllib.request
 from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -155,6 +162,46 @@ class RouterProcess:
         self.log.close()
 
 
+class VllmRouterProcess:
+    """vLLM's own router (the `vllm-router` binary from its PyPI wheel, in a venv of its own) in front of
+    `targets`, pinned to `core`: run_level's and the latency comparison's view of it, like RouterProcess."""
+
+    def __init__(self, binary: Path, targets: Sequence[str], core: int | None) -> None:
+        with socket.socket() as probe:
+            probe.bind(("127.0.0.1", 0))
+            port = probe.getsockname()[1]
+        self.log = tempfile.TemporaryFile(mode="w+")
+        self.process = subprocess.Popen(
+            [str(binary), "--host", "127.0.0.1", "--port", str(port), "--worker-urls", *targets,
+             "--policy", "round_robin", "--log-level", "warning"],
+            stdout=self.log, stderr=subprocess.STDOUT, text=True,
+        )
+        self.url = f"http://127.0.0.1:{port}"
+        deadline = time.monotonic() + 90
+        while not self._ready():
+            if self.process.poll() is not None or time.monotonic() > deadline:
+                self.log.seek(0)
+                tail = self.log.read()[-1500:]
+                self.stop()
+                raise RuntimeError(f"vllm-router did not start: {tail}")
+            time.sleep(0.5)
+        if core is not None:
+            pin(self.process.pid, {core})
+
+    def _ready(self) -> bool:
+        body = json.dumps({"model": "stream-target", "prompt": "hi", "max_tokens": 1}).encode()
+        request = urllib.request.Request(f"{self.url}/v1/completions", data=body,
+                                         headers={"Content-Type": "application/json"})
+        try:
+            with urllib.request.urlopen(request, timeout=2) as response:
+                return response.status == 200
+        except (OSError, ValueError):
+            return False
+
+    def stop(self) -> None:
+        RouterProcess.stop(self)  # type: ignore[arg-type]
+
+
 # --------------------------------------------------------------------------
 # 1. Added latency
 # --------------------------------------------------------------------------
@@ -198,6 +245,99 @@ async def added_latency(direct: str, routed: str, pairs: int, warmup: int) -> di
             result[f"direct_{metric}_p{q}_ms"], result[f"routed_{metric}_p{q}_ms"] = d, r
             result[f"added_{metric}_p{q}_ms"] = r - d
     return result
+
+
+async def added_latency_each(direct: str, routed: dict[str, str], pairs: int, warmup: int) -> dict[str, float]:
+    """added_latency for several routers at once: direct and every router in turns, the order rotating."""
+    body = json.dumps({"model": "stream-target", "prompt": "hi", "max_tokens": 8, "stream": True}).encode()
+    names = ["direct", *routed]
+    urls = {"direct": direct, **routed}
+    times: dict[str, list[float]] = {name: [] for name in names}
+    sessions = {name: aiohttp.ClientSession() for name in names}  # one kept-alive connection per path
+    try:
+        for i in range(warmup + pairs):
+            for name in names[i % len(names):] + names[:i % len(names)]:
+                ttfb, _ = await _timed_stream(sessions[name], f"{urls[name]}/v1/completions", body)
+                if i >= warmup:
+                    times[name].append(ttfb)
+    finally:
+        for session in sessions.values():
+            await session.close()
+    result: dict[str, float] = {}
+    for q in (50, 99):
+        d = percentile(times["direct"], q) * 1000
+        result[f"direct_ttfb_p{q}_ms"] = d
+        for name in routed:
+            result[f"{name}.added_ttfb_p{q}_ms"] = percentile(times[name], q) * 1000 - d
+    return result
+
+
+def peer_comparison(args: argparse.Namespace, say: Any) -> dict[str, Any]:
+    """Our router and vllm-router in front of the same target: added TTFB, and router CPU per stream."""
+    from benchmarks.peers import ROUTER_PEERS, ensure_peer
+
+    peer = ROUTER_PEERS[args.peer]
+    binary = ensure_peer(peer, say) / "bin" / "vllm-router"
+    cores = sorted(os.sched_getaffinity(0))
+    if len(cores) < 2:
+        raise SystemExit("router benchmark --peer: needs two cores (the router on one, target and clients on the other)")
+    router_core, generator_cores = cores[-1], set(cores[:-1])
+    pairs, warmup = (300, 30) if args.quick else (1000, 100)
+    streams = [200] if args.quick else [250, 500]
+    window_s = 2.0 if args.quick else 4.0
+    interval_s = args.event_interval_ms / 1000
+    result: dict[str, Any] = {"cpu_model": cpu_model(), "cores": len(cores), "quick": args.quick,
+                              "load_average_1m": round(os.getloadavg()[0], 2), "peer": f"{peer.name} {peer.version}",
+                              "router.event_interval_ms": args.event_interval_ms}
+    with TargetProcess(ttft_ms=0, tpot_ms=0, tokens_per_chunk=1) as target:
+        pin(target.pid, generator_cores)
+        ours = RouterProcess([target.url], router_core, max_connections=64)
+        theirs = VllmRouterProcess(binary, [target.url], router_core)
+        try:
+            say(f"added TTFB: {pairs} requests on each path (direct, ours, {peer.name}), in turns ...")
+            latency = asyncio.run(added_latency_each(target.url, {"ours": ours.url, peer.name: theirs.url}, pairs, warmup))
+        finally:
+            ours.stop()
+            theirs.stop()
+    result.update({f"router.{key}": round(value, 3) for key, value in latency.items()})
+    with TargetProcess(ttft_ms=5, tpot_ms=args.event_interval_ms, tokens_per_chunk=1) as target:
+        pin(target.pid, generator_cores)
+        for name in ("ours", peer.name):
+            for n in streams:
+                router = (RouterProcess([target.url], router_core, max_connections=2 * n + 100) if name == "ours"
+                          else VllmRouterProcess(binary, [target.url], router_core))
+                try:
+                    level = run_level(n, router, [target.pid] if target.pid else [], generator_cores, 1,
+                                      interval_s, window_s)
+                finally:
+                    router.stop()
+                key = f"router.{name}.streams{n}"
+                result[f"{key}.cpu_ms_per_stream_s"] = round(1000 * level.router_cpu / n, 4)
+                result[f"{key}.router_cpu"] = round(level.router_cpu, 3)
+                result[f"{key}.lag_p99_ms"] = level.lag_p99_ms
+                result[f"{key}.errors"] = level.errors
+                result[f"{key}.verdict"] = level.verdict
+                say(f"  {name} at {n} streams: router CPU {level.router_cpu:.0%} -> "
+                    f"{1000 * level.router_cpu / n:.3f} ms CPU per stream-second; lag p99 {level.lag_p99_ms:.0f} ms, "
+                    f"errors {level.errors}: {level.verdict}")
+    result["router.streams"] = streams
+    return result
+
+
+def peer_table(result: dict[str, Any]) -> str:
+    peer = result["peer"].split()[0]
+    lines = [f"router vs {result['peer']}: {result['cpu_model']}, {result['cores']} cores, load average "
+             f"{result['load_average_1m']}{' (quick)' if result['quick'] else ''}", "",
+             f"direct TTFB p50 {result['router.direct_ttfb_p50_ms']:.3f} ms, p99 {result['router.direct_ttfb_p99_ms']:.3f} ms",
+             "| router | added TTFB p50 (ms) | added TTFB p99 (ms) | "
+             + " | ".join(f"CPU ms per stream-second at {n}" for n in result["router.streams"]) + " |",
+             "|---|---|---|" + "---|" * len(result["router.streams"])]
+    for name in ("ours", peer):
+        cpu = " | ".join(f"{result[f'router.{name}.streams{n}.cpu_ms_per_stream_s']:.3f} "
+                         f"({result[f'router.{name}.streams{n}.verdict']})" for n in result["router.streams"])
+        lines.append(f"| {name} | {result[f'router.{name}.added_ttfb_p50_ms']:.3f} | "
+                     f"{result[f'router.{name}.added_ttfb_p99_ms']:.3f} | {cpu} |")
+    return "\n".join(lines)
 
 
 # --------------------------------------------------------------------------
@@ -484,6 +624,8 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--json", action="store_true", help="one JSON object (flat router.* keys) instead of a table")
     parser.add_argument("--event-interval-ms", type=float, default=40.0,
                         help="each stream's SSE event interval (default 40: 10 ms TPOT in 4-token MTP steps)")
+    parser.add_argument("--peer", choices=["vllm-router"], default=None,
+                        help="instead: our router beside this peer (installed into its own venv on first use)")
     parser.add_argument("--client", default=None, help=argparse.SUPPRESS)  # internal: a client process
     parser.add_argument("--streams", type=int, default=0, help=argparse.SUPPRESS)
     return parser.parse_args(argv)
@@ -498,6 +640,10 @@ def main(argv: list[str] | None = None) -> int:
         print("router benchmark: --event-interval-ms must be > 0", file=sys.stderr)
         return 2
     say = (lambda line: print(line, file=sys.stderr, flush=True)) if args.json else (lambda line: print(line, flush=True))
+    if args.peer:
+        result = peer_comparison(args, say)
+        print(json.dumps(result, indent=2) if args.json else "\n" + peer_table(result))
+        return 0
     result = measure(args, say)
     print(json.dumps(result, indent=2) if args.json else "\n" + table(result))
     return 0

@@ -17,9 +17,9 @@ separate the target's own timer jitter from the client's error.
 Usage:  python benchmarks/stream_target.py --port 8100 --ttft-ms 50 --tpot-ms 10 --tokens-per-chunk 4
 It prints `LISTENING http://HOST:PORT` once it accepts connections. GET /stats gives
 request counts (started, completed, disconnected). GET /timings gives, for each
-streamed request that carried an X-Request-Id header, the achieved [first chunk, last
-chunk] send offsets in seconds from the handler's start and the wall-clock time of that
-start (the last 100,000 requests): with the client's own wall-clock send time, where
+streamed request (keyed by its X-Request-Id header, or else by its completion id), the achieved [first chunk, last
+chunk] send offsets in seconds from the handler's start, the wall-clock time of that
+start and the tokens streamed (the last 100,000 requests): with the client's own wall-clock send time, where
 each chunk really left, so that a benchmark can tell the client's error from the
 target's lateness (both run on one machine, one clock). Requests that carry the header
 x-mtp-canary-arm get it echoed back, like the router's arm pinning; otherwise the
@@ -85,6 +85,7 @@ class AchievedTiming(NamedTuple):
     first_s: float
     last_s: float
     arrived_at: float
+    tokens: int = 0  # streamed in the answer
 
     @property
     def first_sent_at(self) -> float:
@@ -133,8 +134,8 @@ class StreamTarget:
         self.replica = replica
         self.stats = TargetStats()
         self.model = "stream-target"
-        # request id -> (first chunk, last chunk) achieved send offsets, handler start (epoch); oldest first
-        self.timings: dict[str, tuple[float, float, float]] = {}
+        # request id -> (first chunk, last chunk) achieved send offsets, handler start (epoch), tokens; oldest first
+        self.timings: dict[str, tuple[float, float, float, int]] = {}
 
     def app(self) -> web.Application:
         app = web.Application()
@@ -249,9 +250,10 @@ class StreamTarget:
                 final["usage"] = usage
             await response.write(_sse(final) + _sse("[DONE]"))
             await response.write_eof()
-            request_id = request.headers.get("x-request-id")
-            if request_id and sent_offsets:
-                self.timings[request_id] = (sent_offsets[0], sent_offsets[-1], arrived_at)
+            # a client that sends no X-Request-Id (another project's benchmark) is timed under the completion id
+            request_id = request.headers.get("x-request-id") or completion_id
+            if sent_offsets:
+                self.timings[request_id] = (sent_offsets[0], sent_offsets[-1], arrived_at, n_tokens)
                 if len(self.timings) > TIMINGS_KEPT:
                     del self.timings[next(iter(self.timings))]
         except (ConnectionResetError, asyncio.CancelledError):
