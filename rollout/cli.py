@@ -256,9 +256,9 @@ def _report_end(result, copies: dict[str, Path] | None) -> int:
     if copies and not _copy_out(result.run_dir, copies) and code == 0:
         code = EXIT_INFRASTRUCTURE  # a pipeline that asked for the file must not pass without it
     print(f"mtp-canary: {decision} (exit {code}) -> {result.run_dir / 'decision.json'}", flush=True)
-    if os.environ.get("MTP_CANARY_DECISION_IN_LOG"):  # set by `mtp-canary submit`: the file travels in the job's log
-        from rollout.submit import decision_log_line
+    from rollout.log_line import DECISION_IN_LOG_ENV, decision_log_line
 
+    if os.environ.get(DECISION_IN_LOG_ENV):  # set by `mtp-canary submit`: the file travels in the job's log
         print(decision_log_line(result.run_dir), flush=True)
     # machine-readable, the last line of the log: `mtp-canary submit` reads the code from it
     print(f"mtp-canary: exit_code={code} decision={decision} run_dir={result.run_dir}", flush=True)

@@ -25,8 +25,8 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
-# what a run imports on its nodes: the engine, Ray, the load generator, the project itself
-RUN_MODULES = ("vllm", "ray", "locust", "scipy", "aiohttp", "rollout", "cluster", "loadtests")
+from rollout.node_check import RUN_MODULES, NodeCheck, check_nodes, launched_arms, run_arms
+
 # the fleet's teardown waits up to 60 s for every replica's stop; `ray job stop` must wait longer
 TEARDOWN_GRACE_S = 90
 PLACEMENT_PROBE_S = 10.0
@@ -42,17 +42,6 @@ class ReplicaPlan:
     gpu_ids: list[str] = field(default_factory=list)
 
 
-@dataclass
-class NodeCheck:
-    node_id: str
-    node_ip: str
-    roles: list[str]
-    versions: dict[str, str] = field(default_factory=dict)
-    missing: dict[str, str] = field(default_factory=dict)  # module -> why it did not import
-    problems: list[str] = field(default_factory=list)
-    # model_cache: hub model -> {"path", "files", "bytes"} when a complete copy is cached on this node,
-    # None when staging would download it (only replica nodes, only with model_cache)
-    weights: dict[str, dict | None] = field(default_factory=dict)
 
 
 @dataclass
@@ -72,57 +61,12 @@ class Plan:
         return {"ok": self.ok, **asdict(self)}
 
 
-_PROBE = """
-import importlib, importlib.metadata, json, sys
-name = sys.argv[1]
-module = importlib.import_module(name)
-version = getattr(module, "__version__", None)
-if version is None:
-    try:
-        version = importlib.metadata.version(name)
-    except importlib.metadata.PackageNotFoundError:
-        pass
-print(json.dumps(str(version or "present")))
-"""
 
 
-def module_versions(modules: Sequence[str], timeout_s: float = 240) -> dict[str, dict[str, str]]:
-    """Import each module in a child of this node's Python, one child per module;
-    {"versions": {module: version}, "missing": {module: the import's last error line}}.
-    Children, not this process: locust's gevent patching hangs a Ray worker, and after ray or
-    ssl is imported it fails (RecursionError), so locust never shares a process with them."""
-    import subprocess
-
-    versions: dict[str, str] = {}
-    missing: dict[str, str] = {}
-    for name in modules:
-        try:
-            done = subprocess.run([sys.executable, "-c", _PROBE, name], capture_output=True, text=True,
-                                  timeout=timeout_s, check=False)
-        except subprocess.TimeoutExpired:
-            missing[name] = f"import did not finish within {timeout_s:g} s"
-            continue
-        if done.returncode == 0:
-            versions[name] = json.loads(done.stdout.strip().splitlines()[-1])
-        else:
-            lines = (done.stderr or "").strip().splitlines() or [f"exit {done.returncode}"]
-            missing[name] = lines[-1][:200]
-    return {"versions": versions, "missing": missing}
 
 
-def _arms(cfg) -> list[tuple[str, Any]]:
-    from cluster.arms import BASELINE, CANARY
-    from rollout.config import TWIN
-
-    if cfg.candidates:
-        return [(BASELINE, cfg.baseline)] + [(c.name, c) for c in cfg.candidates]
-    arms = [(BASELINE, cfg.baseline), (CANARY, cfg.canary)]
-    return arms + [(TWIN, cfg.baseline)] if cfg.twin_baseline else arms
 
 
-def _launched_arms(cfg) -> list[tuple[str, Any]]:
-    """The arms whose replicas the run starts (an arm with endpoints runs elsewhere: nothing placed)."""
-    return [(name, arm) for name, arm in _arms(cfg) if arm.launched]
 
 
 def gpu_hours(cfg) -> dict[str, Any]:
@@ -131,7 +75,7 @@ def gpu_hours(cfg) -> dict[str, Any]:
     experiment at max_duration_s, the sweep's levels x step_s, the progressive steps' bake_s
     (and pause_timeout_s where a step pauses). The accuracy phase has no time bound and is
     left out (so is the gap between phases)."""
-    gpus = sum(arm.replicas * arm.engine.world_size for _, arm in _launched_arms(cfg) if arm.engine.device == "gpu")
+    gpus = sum(arm.replicas * arm.engine.world_size for _, arm in launched_arms(cfg) if arm.engine.device == "gpu")
     phases = {"fleet_start_s": cfg.startup_timeout_s}
     if cfg.experiment.enabled:
         phases["experiment_s"] = cfg.experiment.max_duration_s
@@ -152,7 +96,7 @@ def gpu_hours(cfg) -> dict[str, Any]:
 
 
 def timeouts(cfg) -> dict[str, Any]:
-    engine = {arm: a.engine.startup_timeout_s for arm, a in _arms(cfg)}
+    engine = {arm: a.engine.startup_timeout_s for arm, a in run_arms(cfg)}
     return {
         "placement_timeout_s": cfg.placement_timeout_s,
         "engine_startup_timeout_s": engine,
@@ -167,7 +111,7 @@ def plan_replicas(cfg) -> list[ReplicaPlan]:
 
     return [
         ReplicaPlan(name=f"{arm}-{i}", arm=arm, bundle=replica_bundle(a.engine, a.cpus_per_replica))
-        for arm, a in _launched_arms(cfg) for i in range(a.replicas)
+        for arm, a in launched_arms(cfg) for i in range(a.replicas)
     ]
 
 
@@ -208,36 +152,6 @@ def place(replicas: list[ReplicaPlan], wait_s: float) -> str | None:
         remove_placement_group(pg)
 
 
-def check_nodes(targets: dict[str, list[str]], modules: Sequence[str]) -> list[NodeCheck]:
-    """One task per target node (node id -> roles), pinned there, importing `modules`."""
-    import ray
-    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
-
-    probe = ray.remote(num_cpus=0)(module_versions)
-    ips = {n["NodeID"]: n.get("NodeManagerAddress", "?") for n in ray.nodes()}
-    refs = {
-        node: probe.options(scheduling_strategy=NodeAffinitySchedulingStrategy(node_id=node, soft=False)).remote(
-            list(modules))
-        for node in targets
-    }
-    here = ray.__version__
-    checks = []
-    for node, ref in refs.items():
-        check = NodeCheck(node_id=node, node_ip=ips.get(node, "?"), roles=sorted(set(targets[node])))
-        try:
-            answer = ray.get(ref, timeout=300)
-        except Exception as exc:
-            check.problems.append(f"the check task did not run: {type(exc).__name__}: {exc}"[:300])
-            checks.append(check)
-            continue
-        check.versions, check.missing = answer["versions"], answer["missing"]
-        for module, why in check.missing.items():
-            check.problems.append(f"cannot import {module} ({why})")
-        theirs = check.versions.get("ray")
-        if theirs and theirs != here:
-            check.problems.append(f"ray {theirs}, the driver runs ray {here} (Ray needs one version cluster-wide)")
-        checks.append(check)
-    return checks
 
 
 def target_nodes(cfg, replicas: list[ReplicaPlan]) -> tuple[dict[str, list[str]], list[str]]:
@@ -274,7 +188,7 @@ def shared_load_notes(cfg, nodes: list[dict[str, Any]], driver: str, locust: lis
     in the arms' latency."""
     from cluster.placement import alive_nodes
 
-    if not any(arm.engine.device == "gpu" for _, arm in _launched_arms(cfg)):
+    if not any(arm.engine.device == "gpu" for _, arm in launched_arms(cfg)):
         return []
     gpu_nodes = {str(n["NodeID"]): n.get("NodeManagerAddress", "?") for n in alive_nodes(nodes)
                  if n.get("Resources", {}).get("GPU", 0)}
@@ -289,41 +203,8 @@ def shared_load_notes(cfg, nodes: list[dict[str, Any]], driver: str, locust: lis
     return notes
 
 
-def wants_node_check(cfg) -> bool:
-    """Whether `run` checks every node's environment before its fleet starts (ray.check_nodes;
-    auto: on a multi-node cluster or with GPU engines, where a missing module would otherwise
-    surface only after GPUs were held for the fleet start, the accuracy phase and preflight)."""
-    if cfg.ray.check_nodes != "auto":
-        return cfg.ray.check_nodes == "always"
-    import ray
-
-    from cluster.placement import alive_nodes
-
-    gpu_engines = any(arm.engine.device == "gpu" for _, arm in _launched_arms(cfg))
-    return gpu_engines or len(alive_nodes(ray.nodes())) > 1
 
 
-def node_environment_failures(modules: Sequence[str] | None = None) -> list[str]:
-    """`run`'s check before its fleet starts: every live node that can run a task (resources, or
-    the driver's) imports `modules`; one line per problem, naming the node's IP, id and kind."""
-    import ray
-
-    from cluster.placement import alive_nodes
-
-    driver = ray.get_runtime_context().get_node_id()
-    targets: dict[str, list[str]] = {}
-    for node in alive_nodes(ray.nodes()):
-        resources, roles = node.get("Resources", {}), []
-        if node["NodeID"] == driver:
-            roles.append("driver")
-        if resources.get("GPU", 0):
-            roles.append("GPU node")
-        elif resources.get("CPU", 0):
-            roles.append("CPU node")
-        if roles:
-            targets[str(node["NodeID"])] = roles
-    return [f"node {c.node_ip} ({c.node_id[:12]}, {', '.join(c.roles)}): {problem}"
-            for c in check_nodes(targets, modules or RUN_MODULES) for problem in c.problems]
 
 
 def weights_cached(cfg, nodes: list[NodeCheck]) -> tuple[list[str], list[str]]:
@@ -333,7 +214,7 @@ def weights_cached(cfg, nodes: list[NodeCheck]) -> tuple[list[str], list[str]]:
     from cluster.gpu_memory import model_need
     from cluster.staging import hub_models, probe_cached, probe_free
 
-    engines = [arm.engine for _, arm in _launched_arms(cfg)]
+    engines = [arm.engine for _, arm in launched_arms(cfg)]
     models = hub_models(e.model for e in engines)
     replica_nodes = [n for n in nodes if any(role not in ("driver", "locust") for role in n.roles) and not n.problems]
     if not cfg.model_cache or not models or not replica_nodes:
@@ -373,7 +254,7 @@ def staging_failures(cfg) -> list[str]:
     itself inside its own startup clock, into its node's default cache, progress unseen."""
     from cluster.staging import hub_models
 
-    gpu_hub = hub_models(arm.engine.model for _, arm in _launched_arms(cfg) if arm.engine.device == "gpu")
+    gpu_hub = hub_models(arm.engine.model for _, arm in launched_arms(cfg) if arm.engine.device == "gpu")
     if not gpu_hub or cfg.model_cache:
         return []
     return [f"model_cache: unset, so every GPU server downloads {', '.join(gpu_hub)} itself within its "
@@ -389,7 +270,7 @@ def memory_failures(cfg) -> list[str]:
     types, _ = live_gpu_types()
     seen: list[Any] = []
     arms = []
-    for name, arm in _launched_arms(cfg):
+    for name, arm in launched_arms(cfg):
         if arm.engine not in seen:  # the twin runs the baseline's engine: one line, not two
             seen.append(arm.engine)
             arms.append((name, arm.engine))
@@ -401,7 +282,7 @@ def memory_notes(cfg) -> list[str]:
     from cluster.gpu_memory import live_gpu_types
 
     _, unknown = live_gpu_types()
-    if not unknown or not any(arm.engine.device == "gpu" for _, arm in _launched_arms(cfg)):
+    if not unknown or not any(arm.engine.device == "gpu" for _, arm in launched_arms(cfg)):
         return []
     return [f"memory: not checked on GPU nodes of unknown memory per GPU: {', '.join(unknown)}"]
 

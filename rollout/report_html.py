@@ -35,7 +35,7 @@ from rollout.atomic_file import write_atomically
 from rollout.judge.latency import latency_samples_from_records
 from rollout.judge.names import ACCURACY_NAME, DIVERGENCE_NAME, OBJECTIVE_NAME
 from rollout.judge.stats import mover_log_ratio_bounds, quantile_band
-from rollout.rejudge import BadInput, judge_input, load_input
+from rollout.replay import BadInput, judge_input, load_input
 
 __all__ = ["html_report", "write_html_report", "expected_lengths"]
 

@@ -31,7 +31,6 @@ from __future__ import annotations
 
 import argparse
 import asyncio
-import base64
 import json
 import os
 import re
@@ -39,11 +38,12 @@ import shlex
 import signal
 import sys
 import time
-import zlib
 import dataclasses
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TextIO
+
+from rollout.log_line import DECISION_IN_LOG_ENV, DECISION_PREFIX, decision_from_log
 
 EXIT_INFRASTRUCTURE, EXIT_USAGE = 1, 2
 RUN_CODES = {0, 2, 3, 4}  # what `rollout run` itself exits with; 1 is also its code, and the fallback
@@ -56,10 +56,6 @@ SECRET_EXCLUDES = [".env", ".env.*", "*.env", "*.pem", "*.key", "*.p12", "*.pfx"
                    "id_ed25519*", ".netrc", ".pgpass", ".aws", ".gcp", ".azure", ".docker", ".git-credentials",
                    "*credentials*.json", "*service-account*.json"]
 DEFAULT_ADDRESS = "http://127.0.0.1:8265"
-DECISION_IN_LOG_ENV = "MTP_CANARY_DECISION_IN_LOG"
-DECISION_PREFIX = "mtp-canary: decision_json="
-DECISION_OMITTED = "mtp-canary: decision_json_omitted="
-DECISION_LINE_MAX = 4 * 1024 * 1024  # characters of the line: far above a real decision.json (~20 kB -> ~8 kB)
 DECIDED_CODES = (0, 3, 4)  # a run that exits with these wrote a decision a pipeline reads
 # Ray's supervisor SIGKILLs the driver this long after `ray job stop`'s SIGTERM (Ray's default:
 # 3 s); the run's teardown waits up to 60 s for its replicas (README: `ray job stop`)
@@ -111,36 +107,8 @@ def final_line(log: str) -> tuple[int, str, str | None] | None:
     return found
 
 
-def decision_log_line(run_dir: Path) -> str:
-    """The line that carries run_dir/decision.json in the job's log (or says why it does not)."""
-    try:
-        raw = (Path(run_dir) / "decision.json").read_bytes()
-    except OSError as exc:
-        return f"{DECISION_OMITTED}cannot read {Path(run_dir) / 'decision.json'}: {exc.strerror or exc}"
-    line = DECISION_PREFIX + base64.b64encode(zlib.compress(raw, 9)).decode("ascii")
-    if len(line) > DECISION_LINE_MAX:
-        return f"{DECISION_OMITTED}decision.json is {len(raw)} bytes, over the log line's bound ({DECISION_LINE_MAX})"
-    return line
 
 
-def decision_from_log(log: str) -> tuple[dict | None, str]:
-    """(decision document, "") from the last decision line of a job's log, or (None, why not)."""
-    found = None
-    for line in log.splitlines():
-        line = line.strip()
-        if line.startswith((DECISION_PREFIX, DECISION_OMITTED)):
-            found = line
-    if found is None:
-        return None, "the job's log has no decision.json line (did the run reach its end?)"
-    if found.startswith(DECISION_OMITTED):
-        return None, f"the run did not send decision.json: {found[len(DECISION_OMITTED):]}"
-    try:
-        doc = json.loads(zlib.decompress(base64.b64decode(found[len(DECISION_PREFIX):], validate=True)))
-    except (ValueError, zlib.error) as exc:  # binascii.Error and JSONDecodeError are ValueErrors
-        return None, f"the decision.json line in the job's log is unreadable ({type(exc).__name__}: {exc})"
-    if not isinstance(doc, dict) or "decision" not in doc or "run_id" not in doc:
-        return None, "the decision.json line in the job's log holds no decision document"
-    return doc, ""
 
 
 def outcome_of(job_id: str, status: str, driver_exit_code: int | None, message: str, log: str) -> Outcome:

@@ -214,7 +214,7 @@ def test_a_run_with_candidates_is_not_resumed_nor_replayed_as_one_canary(tmp_pat
     import json
 
     from rollout import cli
-    from rollout.rejudge import BadInput, load_input
+    from rollout.replay import BadInput, load_input
 
     assert cli._resumable(candidates_config(), "run-1") is None
     assert "cannot be resumed" in capsys.readouterr().err

@@ -15,7 +15,7 @@ import pytest
 import yaml
 
 from loadtests.records import RequestRecord
-from rollout import cli, rejudge
+from rollout import cli, rejudge, replay
 
 REPO = Path(__file__).resolve().parents[1]
 REAL_RUN = REPO / "tests" / "data" / "rejudge" / "promote"
@@ -271,10 +271,10 @@ def test_a_run_with_a_warm_up_is_replayed_with_it_and_another_warm_up_is_another
     looks = doc["experiment"]["looks"] = doc["experiment"]["looks"][:2]
     doc["experiment"]["warmup_requests_per_arm"] = 20
     (run / "decision.json").write_text(json.dumps(doc))
-    inp = rejudge.load_input(str(run), None)
+    inp = replay.load_input(str(run), None)
     assert inp.plan.warmup_requests_per_arm == 20 and inp.stored_counts == [dict(k["requests"]) for k in looks]
-    replay = rejudge.judge_input(inp).replay
-    assert replay.warmup_records >= 40 and replay.looks[0].requests == looks[0]["requests"]
+    replayed = replay.judge_input(inp).replay
+    assert replayed.warmup_records >= 40 and replayed.looks[0].requests == looks[0]["requests"]
     # a --config with no warm-up is another plan: looks by the boundary rule, and a note says so
     config = tmp_path / "no-warmup.yaml"
     data = yaml.safe_load((REPO / "configs" / "local-cpu.yaml").read_text())
@@ -282,7 +282,7 @@ def test_a_run_with_a_warm_up_is_replayed_with_it_and_another_warm_up_is_another
     config.write_text(yaml.safe_dump(data))
     from rollout.config import load_config
 
-    other = rejudge.load_input(str(run), load_config(config))
+    other = replay.load_input(str(run), load_config(config))
     assert other.plan.warmup_requests_per_arm == 0 and other.stored_counts is None
     assert any("look plan differs" in note for note in other.notes)
 

@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from rollout import submit
+from rollout import log_line, submit
 from rollout.submit import Outcome, final_line, outcome_of, submit_entrypoint
 
 REPO = Path(__file__).resolve().parent.parent
@@ -240,22 +240,22 @@ RECORDED = REPO / "tests/data/recorded_runs"
 def test_decision_travels_in_one_log_line_and_a_mangled_one_is_refused(tmp_path):
     import json
 
-    line = submit.decision_log_line(RECORDED / "bad")
-    assert line.startswith(submit.DECISION_PREFIX) and "\n" not in line
-    doc, why = submit.decision_from_log(f"noise\n{line}\nmtp-canary: exit_code=3 decision=rollback run_dir=/r/bad\n")
+    line = log_line.decision_log_line(RECORDED / "bad")
+    assert line.startswith(log_line.DECISION_PREFIX) and "\n" not in line
+    doc, why = log_line.decision_from_log(f"noise\n{line}\nmtp-canary: exit_code=3 decision=rollback run_dir=/r/bad\n")
     assert why == "" and doc == json.loads((RECORDED / "bad" / "decision.json").read_text())
     # a line cut short (a truncated log) or with one character changed: zlib's checksum or base64 refuses it
     for broken in (line[:-40], line[:-10] + ("A" if line[-10] != "A" else "B") + line[-9:]):
-        doc, why = submit.decision_from_log(broken)
+        doc, why = log_line.decision_from_log(broken)
         assert doc is None and "unreadable" in why
-    assert submit.decision_from_log("no line at all")[0] is None
-    missing = submit.decision_log_line(tmp_path / "none")
-    doc, why = submit.decision_from_log(missing)
+    assert log_line.decision_from_log("no line at all")[0] is None
+    missing = log_line.decision_log_line(tmp_path / "none")
+    doc, why = log_line.decision_from_log(missing)
     assert doc is None and "did not send decision.json" in why and "cannot read" in why
 
 
 def test_the_streamed_log_shows_a_note_not_the_base64():
-    line = submit.decision_log_line(RECORDED / "bad")
+    line = log_line.decision_log_line(RECORDED / "bad")
     assert submit._shown(line + "\n").startswith("mtp-canary submit: decision.json in the log (")
     assert submit._shown("[12:00:00] look 3\n") == "[12:00:00] look 3\n"
 
@@ -339,7 +339,7 @@ def test_a_real_job_brings_its_decision_back(ray_head, tmp_path):
     done = submit_entrypoint(ray_head, ["python", "-c", DRIVE_RECORDED], REPO, out=out)
     assert (done.status, done.exit_code, done.decision) == ("FAILED", 3, "rollback"), out.getvalue()[-3000:]
     assert done.decision_doc == json.loads((RECORDED / "bad" / "decision.json").read_text()), done.decision_problem
-    assert submit.DECISION_PREFIX not in out.getvalue() and "decision.json in the log" in out.getvalue()
+    assert log_line.DECISION_PREFIX not in out.getvalue() and "decision.json in the log" in out.getvalue()
     assert submit.fetch_decision(done, tmp_path / "fetched", None, None) == 3
     assert json.loads((tmp_path / "fetched" / "decision.json").read_text())["decision"] == "rollback"
     # the job's environment: the stop grace the teardown needs (docs/gpu-cluster.md: `ray job stop`)

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import numpy as np
 
-from cluster.arms import BASELINE, CANARY
+from cluster.arms import CANARY
 from cluster.metrics import MetricsSampler, SpecDecodeStats, kv_stats, requests_not_routed
 from cluster.router_limits import is_loopback
 from loadtests.console import TAB_TITLE, console_spec

@@ -19,7 +19,7 @@ from cluster.fleet import ArmSpec, Fleet
 from cluster.ray_cluster import connect, find_actor, kill_quietly
 from cluster.router import Router, RouterClient
 from cluster.router_limits import is_loopback
-from rollout import plan_command
+from rollout import node_check
 from rollout.config import TWIN, ArmConfig
 from rollout.judge.power import detectable_effects, render
 from rollout.plan_power import power_plan
@@ -239,10 +239,10 @@ class StartFleet:
     @staticmethod
     def _check_nodes(ctx: RunContext) -> None:
         """Every node imports what the run needs, before anything is reserved (ray.check_nodes)."""
-        if ctx.resuming or not plan_command.wants_node_check(ctx.cfg):
+        if ctx.resuming or not node_check.wants_node_check(ctx.cfg):
             return
-        ctx.say(f"nodes: checking that every node imports {', '.join(plan_command.RUN_MODULES)} (ray.check_nodes)")
-        failures = plan_command.node_environment_failures()
+        ctx.say(f"nodes: checking that every node imports {', '.join(node_check.RUN_MODULES)} (ray.check_nodes)")
+        failures = node_check.node_environment_failures()
         if failures:
             raise InfrastructureError("node environment: " + "; ".join(failures))
         ctx.say("nodes: every node has what the run imports")
