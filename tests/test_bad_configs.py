@@ -3,7 +3,7 @@ one line on stderr naming the cause or the field, exit 2, before anything starts
 
 Each file is configs/local-cpu.yaml with one thing wrong (or bytes that are no text at all);
 EXPECTED.yaml maps it to a substring its one line must contain. Every file goes through the
-CLI in-process (`rollout.cli.main`, the path `python -m rollout run` takes; ~1-15 ms each);
+CLI in-process (`rollout.commands.cli.main`, the path `python -m rollout run` takes; ~1-15 ms each);
 the hostile ones also as a real `python -m rollout run` subprocess (~1.3 s of CPU each, mostly
 imports), which also shows no Ray started and nothing written. The target is 2 s per config;
 the 10 s bound here is loose for a slow, shared machine.
@@ -20,7 +20,7 @@ from pathlib import Path
 import pytest
 import yaml
 
-from rollout import cli
+from rollout.commands import cli
 from rollout.config import MAX_CONFIG_BYTES
 from tests.conftest import REPO
 

@@ -19,10 +19,10 @@ from pathlib import Path
 import pytest
 import yaml
 
-from rollout import cli
+from rollout.commands import cli
 from rollout.config import load_config
-from rollout.live_metrics import gate_families, router_families, run_families
-from rollout.metrics_export import metrics_text
+from rollout.run.live_metrics import gate_families, router_families, run_families
+from rollout.record.prometheus import metrics_text
 from tests.conftest import REPO
 
 DEPLOY = REPO / "deploy"

@@ -19,11 +19,11 @@ from http.server import BaseHTTPRequestHandler, HTTPServer
 
 import pytest
 
-from rollout import cli
-from rollout import controller as controller_module
+from rollout.commands import cli
+from rollout.run import controller as controller_module
 from rollout.config import WeightHookConfig, load_config
-from rollout.controller import Controller
-from rollout.store import RunStore
+from rollout.run.controller import Controller
+from rollout.run.store import RunStore
 from tests.conftest import REPO
 from tests.faults.endpoint_run import HOOK
 from tests.test_controller import Promotes
@@ -31,10 +31,10 @@ from tests.test_controller import Promotes
 
 @pytest.fixture(autouse=True)
 def own_signals():
-    """cli._drive installs the run's signal handlers (rollout.interrupts): pytest's come back after."""
+    """cli._drive installs the run's signal handlers (rollout.run.interrupts): pytest's come back after."""
     from ray._private import worker
 
-    from rollout.interrupts import INTERRUPTS, SIGNALS
+    from rollout.run.interrupts import INTERRUPTS, SIGNALS
 
     saved = {sig: signal.getsignal(sig) for sig in SIGNALS}
     hooks = list(worker._post_init_hooks)

@@ -15,7 +15,7 @@ import pytest
 import yaml
 
 from cluster.engine_spec import REDACTED, EngineSpec
-from rollout import cli
+from rollout.commands import cli
 from rollout.config import ConfigError, TinyModelOptions, parse_config
 from rollout.engine_parity import (
     EngineDifference,
@@ -338,7 +338,7 @@ def test_a_replica_reads_its_own_launch_s_lines_and_preflight_records_them_per_a
 
     from cluster.replica import VLLMReplicaServer
     from rollout.engine_parity import SERVER_LOG_NEEDLES
-    from rollout.phases.preflight import Preflight
+    from rollout.run.phases.preflight import Preflight
 
     replica = VLLMReplicaServer("canary-0", "canary", engine(), str(tmp_path))
     earlier = BANNER.replace("0.32.0", "0.31.0") + "\n" + ARGS.replace("'port': 53931", "'port': 1") + "\n"

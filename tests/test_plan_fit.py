@@ -18,7 +18,8 @@ import yaml
 from ray.cluster_utils import Cluster
 
 from cluster.staging import MARKER, model_dir
-from rollout import node_check, plan_command
+from rollout.run import node_check
+from rollout.commands import plan as plan_command
 from tests.conftest import REPO
 
 CONFIG = REPO / "configs" / "mimo-v2.5-mtp.yaml"

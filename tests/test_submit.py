@@ -19,8 +19,9 @@ from pathlib import Path
 
 import pytest
 
-from rollout import log_line, submit
-from rollout.submit import Outcome, final_line, outcome_of, submit_entrypoint
+from rollout.record import log_line
+from rollout.commands import submit
+from rollout.commands.submit import Outcome, final_line, outcome_of, submit_entrypoint
 
 REPO = Path(__file__).resolve().parent.parent
 REJUDGE = "tests/data/rejudge/promote"
@@ -105,7 +106,7 @@ def test_final_line_and_outcome_rules():
 
 
 def test_entrypoint_is_a_run_the_cli_accepts(tmp_path):
-    from rollout import cli
+    from rollout.commands import cli
 
     argv = submit.run_entrypoint(REPO / "configs/examples/local-progressive.yaml", REPO, Path("/srv/runs"))
     assert argv[:3] == ["python", "-m", "rollout"]
@@ -125,8 +126,8 @@ def test_run_prints_the_line_submit_reads(capsys):
     import signal
     from types import SimpleNamespace
 
-    from rollout import cli
-    from rollout.result import Decision
+    from rollout.commands import cli
+    from rollout.record.result import Decision
 
     result = SimpleNamespace(decision=Decision.INCONCLUSIVE, error=None, exit_code=4, run_dir=Path("/runs/r 1"))
     previous = signal.getsignal(signal.SIGTERM)
@@ -324,8 +325,8 @@ DRIVE_RECORDED = """
 import sys
 from pathlib import Path
 from types import SimpleNamespace
-from rollout import cli
-from rollout.result import Decision
+from rollout.commands import cli
+from rollout.record.result import Decision
 run_dir = Path('tests/data/recorded_runs/bad').resolve()
 result = SimpleNamespace(decision=Decision.ROLLBACK, error=None, exit_code=3, run_dir=run_dir)
 sys.exit(cli._drive(SimpleNamespace(run=lambda: result)))
