@@ -30,7 +30,8 @@ from rollout.config import ExperimentConfig, load_config
 from rollout.evals import ItemOutcome
 from rollout.calibration import calibrate
 from rollout.judge import experiment_looks
-from rollout.calibration.calibrate import default_design, design_from_run_config, format_table, main, run_calibration
+from rollout.calibration.calibrate import default_design, design_from_run_config, format_table, run_calibration
+from rollout.commands.calibrate import main
 from rollout.calibration.trial import look_ends, run_accuracy_batches, run_experiment_looks
 from rollout.judge.config import GatesConfig
 from rollout.judge.experiment_looks import LookPlan, record_arm
@@ -277,7 +278,7 @@ def test_the_embedded_default_is_the_demo_config():
 
 @pytest.mark.parametrize("name", ["local-cpu.yaml", "mimo-v2.5-mtp.yaml", "examples/local-progressive.yaml"])
 def test_a_run_config_file_reads_as_the_house_loader_reads_it(name):
-    """`--config` reads the YAML itself (the judge may not import rollout.config): same design as the loader's."""
+    """A run config as plain YAML data gives the same design as the house loader's (defaults filled in)."""
     path = REPO / "configs" / name
     assert design_from_run_config(yaml.safe_load(path.read_text()), "x") == design_from_run_config(
         load_config(path).model_dump(), "x"
@@ -308,7 +309,9 @@ def test_config_changes_the_simulated_design(tmp_path, capsys):
 def test_a_bad_config_is_one_line_and_exit_2(tmp_path, capsys):
     """A config the design cannot use is refused before any simulation, in one line."""
     path = tmp_path / "bad.yaml"
-    path.write_text("experiment: {requests_per_look: 300, requests_per_arm: 200}\n")
+    data = yaml.safe_load((REPO / "configs" / "local-cpu.yaml").read_text())
+    data["experiment"].update(requests_per_look=300, requests_per_arm=200)
+    path.write_text(yaml.safe_dump(data))
     assert main(["--config", str(path), "--trials", "1"]) == 2
     err = capsys.readouterr().err.strip()
     assert "requests_per_look" in err and "\n" not in err

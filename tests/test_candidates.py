@@ -213,10 +213,10 @@ def test_junit_metrics_and_report_name_every_candidate_and_why():
 def test_a_run_with_candidates_is_not_resumed_nor_replayed_as_one_canary(tmp_path, capsys):
     import json
 
-    from rollout.commands import cli
+    from rollout.commands import resume as resume_command
     from rollout.analysis.replay import BadInput, load_input
 
-    assert cli._resumable(candidates_config(), "run-1") is None
+    assert resume_command.resumable(candidates_config(), "run-1") is None
     assert "cannot be resumed" in capsys.readouterr().err
     run = tmp_path / "run"
     run.mkdir()

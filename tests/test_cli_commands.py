@@ -328,10 +328,10 @@ def test_supersede_keeps_an_interrupted_attempt_apart(tmp_path):
 
 
 def test_resume_takes_over_from_another_host_only_when_its_heartbeat_is_stale_or_forced(runs, capsys, monkeypatch):
-    from rollout.commands import cli as cli_module
+    from rollout.commands import run as run_command
 
     started: list = []
-    monkeypatch.setattr(cli_module, "_drive", lambda controller, *_, **__: started.append(controller) or 0)
+    monkeypatch.setattr(run_command, "drive", lambda controller, *_, **__: started.append(controller) or 0)
     monkeypatch.setattr("rollout.run.store.HEARTBEAT_S", 0.2)  # a stale heartbeat's beats are watched for two beats
     from rollout.config import load_config
 
@@ -372,10 +372,10 @@ def test_a_promote_answers_the_pause_of_that_moment_never_a_later_one(runs, caps
 
 
 def test_resume_refuses_a_run_that_already_ended_in_error(runs, capsys, monkeypatch):
-    from rollout.commands import cli as cli_module
+    from rollout.commands import run as run_command
 
     started: list = []
-    monkeypatch.setattr(cli_module, "_drive", lambda controller, *_, **__: started.append(controller) or 0)
+    monkeypatch.setattr(run_command, "drive", lambda controller, *_, **__: started.append(controller) or 0)
     store = RunStore(runs / "history.db")
     store.update_run("r-live", status="error", exit_code=130, reason="interrupted by SIGTERM")
     code, _, err = cli(capsys, "resume", "r-live", "--runs-dir", str(runs))

@@ -10,7 +10,6 @@ and validates.
 
 from __future__ import annotations
 
-import importlib
 import json
 import re
 import shlex
@@ -50,10 +49,8 @@ def commands_in(text: str) -> list[list[str]]:
 def parse(argv: list[str]):
     """The argparse namespace the real CLI builds for argv (no execution); a usage error fails the test."""
     assert argv, "a bare mtp-canary"
-    module = cli.DELEGATED.get(argv[0])
-    parser = importlib.import_module(module).build_parser() if module else cli.build_parser()
     try:
-        return parser.parse_args(argv[1:] if module else argv)
+        return cli.build_parser().parse_args(argv)
     except SystemExit as exc:
         pytest.fail(f"the CLI refuses {shlex.join(argv)!r} (exit {exc.code})")
 

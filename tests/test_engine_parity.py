@@ -16,6 +16,7 @@ import yaml
 
 from cluster.engine_spec import REDACTED, EngineSpec
 from rollout.commands import cli
+from rollout.commands import run as run_command
 from rollout.config import ConfigError, TinyModelOptions, parse_config
 from rollout.engine_parity import (
     EngineDifference,
@@ -258,7 +259,7 @@ def test_many_differences_are_named_on_one_line_that_still_says_what_is_under_te
 
 def test_the_cli_refuses_a_second_engine_change_and_runs_it_once_declared(tmp_path, capsys, monkeypatch):
     started = []
-    monkeypatch.setattr(cli, "_start_run", lambda config, args: started.append(config) or 0)
+    monkeypatch.setattr(run_command, "start_run", lambda config, args: started.append(config) or 0)
     data = canary_with(local_cpu(), extra_args=["--no-enable-prefix-caching"])
     path = tmp_path / "c.yaml"
     path.write_text(yaml.safe_dump(data))

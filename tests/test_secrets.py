@@ -15,6 +15,7 @@ import yaml
 
 from cluster.arms import BASELINE, CANARY
 from rollout.commands import cli
+from rollout.commands import run as run_command
 from rollout.config import parse_config
 from rollout.record.redact import REDACTED, known_secrets, redact_config, redact_document, redact_engine, redact_url
 from rollout.record.markdown import markdown_report
@@ -139,7 +140,7 @@ def test_a_bad_config_error_line_names_the_flag_not_the_secret(tmp_path, capsys,
     data["canary"]["engine"]["extra_args"] = ["--api-key", API_KEY, f"--hos={HF_TOKEN}"]
     bad = tmp_path / "bad.yaml"
     bad.write_text(yaml.safe_dump(data))
-    monkeypatch.setattr(cli, "_start_run", lambda *a: pytest.fail("accepted"))
+    monkeypatch.setattr(run_command, "start_run", lambda *a: pytest.fail("accepted"))
     assert cli.main(["run", str(bad), "--runs-dir", str(tmp_path / "runs")]) == 2
     err = capsys.readouterr().err
     assert "--hos" in err
@@ -221,7 +222,7 @@ def test_a_run_with_secrets_resumes_only_with_its_config_file_given_again(tmp_pa
     store.create_run("s2", "n", "m", redact_config(parse_config(secret_config_data()).model_dump(mode="json")))
     store.update_run("s2", controller="gone-host.invalid:1")
     started: list = []
-    monkeypatch.setattr(cli, "_drive", lambda controller, *_, **__: started.append(controller) or 0)
+    monkeypatch.setattr(run_command, "drive", lambda controller, *_, **__: started.append(controller) or 0)
     assert cli.main(["resume", "s2", "--runs-dir", str(tmp_path), "--force"]) == 2
     assert "give its config file again with --config FILE" in capsys.readouterr().err
     other = secret_config_data()

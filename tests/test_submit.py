@@ -126,13 +126,13 @@ def test_run_prints_the_line_submit_reads(capsys):
     import signal
     from types import SimpleNamespace
 
-    from rollout.commands import cli
+    from rollout.commands import run as run_command
     from rollout.record.result import Decision
 
     result = SimpleNamespace(decision=Decision.INCONCLUSIVE, error=None, exit_code=4, run_dir=Path("/runs/r 1"))
     previous = signal.getsignal(signal.SIGTERM)
     try:
-        assert cli._drive(SimpleNamespace(run=lambda: result)) == 4
+        assert run_command.drive(SimpleNamespace(run=lambda: result)) == 4
     finally:
         signal.signal(signal.SIGTERM, previous)
     assert final_line(capsys.readouterr().out) == (4, "inconclusive", "/runs/r 1")
@@ -319,17 +319,17 @@ def test_an_output_in_a_missing_directory_is_exit_2_before_submitting(tmp_path, 
     assert code == 2 and "--junit" in capsys.readouterr().err
 
 
-# the run's own end (cli._drive, the hook `run` takes) inside a real job: the environment submit
+# the run's own end (rollout.commands.run.drive, the hook `run` takes) inside a real job: the environment submit
 # gives the job makes it print decision.json into the log; the recorded run stands in for a controller
 DRIVE_RECORDED = """
 import sys
 from pathlib import Path
 from types import SimpleNamespace
-from rollout.commands import cli
+from rollout.commands import run as run_command
 from rollout.record.result import Decision
 run_dir = Path('tests/data/recorded_runs/bad').resolve()
 result = SimpleNamespace(decision=Decision.ROLLBACK, error=None, exit_code=3, run_dir=run_dir)
-sys.exit(cli._drive(SimpleNamespace(run=lambda: result)))
+sys.exit(run_command.drive(SimpleNamespace(run=lambda: result)))
 """
 
 

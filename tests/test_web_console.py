@@ -26,7 +26,8 @@ from cluster.router import Router
 from loadtests.console import TAB_KEY, console_rows, console_spec
 from loadtests.options import BEARER_TOKEN_ENV, TrafficOptions
 from loadtests.swarm import Swarm, SwarmSpec, free_port
-from rollout.commands.cli import build_parser, run_config
+from rollout.commands.cli import build_parser
+from rollout.commands.run import run_config
 from rollout.judge.verdicts import Decision
 from rollout.run.phases.progressive_steps import run_progressive
 from rollout.run.store import RunStore

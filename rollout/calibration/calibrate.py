@@ -56,20 +56,15 @@ Every rate is <= alpha by design on its promote side (intersection-union), so
 measured rate may sit above alpha by chance.
 
 The simulation functions are pure (seeded per trial, so a result does not depend
-on the number of workers); ``main`` is the command line around them: it reads the
-run config, times the run and reports progress on stderr.
+on the number of workers); the command line around them (`mtp-canary calibrate`: the
+run config read, the run timed, progress on stderr) is ``rollout.commands.calibrate``.
 """
 
 from __future__ import annotations
 
-import argparse
 import fnmatch
-import json
 import math
 import multiprocessing
-import os
-import sys
-import time
 import zlib
 from collections import defaultdict
 from collections.abc import Callable, Iterator, Mapping, Sequence
@@ -127,7 +122,6 @@ __all__ = [
     "simulate_trial",
     "run_calibration",
     "format_table",
-    "main",
 ]
 
 POWER_TPOT_RATIOS = (0.8, 0.7)
@@ -771,58 +765,3 @@ def format_table(result: Mapping[str, Any]) -> str:
     lines += ["", "The whole decision with every gate at its limit at once (accuracy phase, then the experiment):",
               f"  P(PROMOTE) {d['false_promote_rate']:.4f}   P(ROLLBACK) {d['false_rollback_rate']:.4f}"]
     return "\n".join(lines)
-
-
-# -- the command line -----------------------------------------------------------------------
-def _read_run_config(path: str) -> dict[str, Any]:
-    """A run config file as plain data (the house loader, rollout.config, is outside the judge's imports)."""
-    import yaml
-
-    with open(path, encoding="utf-8") as f:
-        try:
-            data = yaml.safe_load(f)
-        except yaml.YAMLError as exc:
-            raise ValueError(f"{path}: invalid YAML: {exc}") from None
-    if not isinstance(data, dict):
-        raise ValueError(f"{path}: a run config is a mapping")
-    return data
-
-
-def main(argv: Sequence[str] | None = None, load_run_config: Callable[[str], Mapping[str, Any]] | None = None) -> int:
-    """``mtp-canary calibrate [--config RUN.yaml] [--trials N] [--seed S] [--json] [--workers W]``.
-
-    ``load_run_config(path)`` (plain data of a run config) defaults to a YAML read;
-    the CLI may pass rollout.config's validating loader.
-    """
-    parser = argparse.ArgumentParser(prog="mtp-canary calibrate", description=__doc__.splitlines()[0])
-    parser.add_argument("--config", help="the run config whose design to calibrate (default: the demo's, local-cpu.yaml)")
-    parser.add_argument("--trials", type=int, default=2000, help="simulated runs per row (default 2000)")
-    parser.add_argument("--seed", type=int, default=0)
-    parser.add_argument("--workers", type=int, default=os.cpu_count() or 1, help="processes (default: every CPU)")
-    parser.add_argument("--json", action="store_true", help="print one JSON object instead of tables")
-    parser.add_argument("--sets", metavar="PATTERN", help="simulate only the trial sets matching this pattern "
-                        "(e.g. 'ar1_*'; the other rows read nan): a quick look at some rows")
-    args = parser.parse_args(argv)
-    try:
-        design = (
-            design_from_run_config((load_run_config or _read_run_config)(args.config), args.config)
-            if args.config else default_design()
-        )
-    except (OSError, ValueError) as exc:
-        sys.stderr.write(f"mtp-canary calibrate: {exc}\n".replace("\n", " ").rstrip() + "\n")
-        return 2
-    started = time.perf_counter()
-
-    def progress(done: int, total: int) -> None:
-        if done == total or done % max(total // 20, 1) == 0:
-            sys.stderr.write(f"calibrate: {done}/{total} chunks of {CHUNK_TRIALS} trials, {time.perf_counter() - started:.0f} s\n")
-
-    result = run_calibration(design, trials=args.trials, seed=args.seed, workers=args.workers, progress=progress, only=args.sets)
-    result["wall_s"] = round(time.perf_counter() - started, 2)
-    result["workers"] = args.workers
-    sys.stdout.write(json.dumps(result, indent=2) + "\n" if args.json else format_table(result) + "\n")
-    return 0
-
-
-if __name__ == "__main__":
-    raise SystemExit(main())

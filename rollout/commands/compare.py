@@ -21,6 +21,8 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from rollout.commands.arguments import parse_alone
+
 EXIT_USAGE = 2
 DECISION = "decision.json"
 LATENCY_KEYS = ("ttft_p50", "ttft_p95", "tpot_p50", "tpot_p95", "e2e_p50", "e2e_p95")
@@ -140,13 +142,23 @@ def format_comparison(c: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="mtp-canary compare", description=__doc__.splitlines()[0])
+def register(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
+    parser = sub.add_parser("compare", help="two finished runs side by side: decision, gates, latency, acceptance",
+                            description=__doc__.splitlines()[0])
     parser.add_argument("run_a", metavar="RUN_A", help="run directory or run id")
     parser.add_argument("run_b", metavar="RUN_B", help="run directory or run id")
     parser.add_argument("--runs-dir", default="runs", help="where run ids are looked up (default: runs)")
     parser.add_argument("--json", action="store_true", help="one JSON object")
-    args = parser.parse_args(argv)
+    parser.set_defaults(handler=run)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`mtp-canary compare ...` parsed alone (`python -m rollout.commands.compare`, tests)."""
+    return run(parse_alone(register, argv))
+
+
+def run(args: argparse.Namespace) -> int:
     try:
         a, b = (read_run(ref, Path(args.runs_dir)) for ref in (args.run_a, args.run_b))
     except RunNotReadable as exc:

@@ -17,7 +17,7 @@ import json
 import sys
 from typing import Any
 
-from rollout.config import RolloutConfig
+from rollout.commands.arguments import parse_alone
 
 REFERENCE_HEADER = (
     "# Run config reference\n\n"
@@ -28,6 +28,8 @@ REFERENCE_HEADER = (
 
 
 def config_schema() -> dict[str, Any]:
+    from rollout.config import RolloutConfig
+
     return RolloutConfig.model_json_schema()
 
 
@@ -91,10 +93,20 @@ def markdown_reference(schema: dict[str, Any] | None = None) -> str:
     return "\n".join(lines) + "\n"
 
 
-def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog="mtp-canary config-schema", description=__doc__.splitlines()[0])
+def register(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
+    parser = sub.add_parser("config-schema", help="the run config's JSON Schema (--markdown: the reference table)",
+                            description=__doc__.splitlines()[0])
     parser.add_argument("--markdown", action="store_true", help="the reference table (docs/config-reference.md)")
-    args = parser.parse_args(argv)
+    parser.set_defaults(handler=run)
+    return parser
+
+
+def main(argv: list[str] | None = None) -> int:
+    """`mtp-canary config-schema ...` parsed alone (`python -m rollout.commands.config_schema`, tests)."""
+    return run(parse_alone(register, argv))
+
+
+def run(args: argparse.Namespace) -> int:
     print(markdown_reference() if args.markdown else json.dumps(config_schema(), indent=2), end="" if args.markdown else "\n")
     return 0
 

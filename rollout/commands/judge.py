@@ -19,44 +19,17 @@ import argparse
 import json
 import sys
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
 
-from rollout.judge.verdicts import Decision
-from rollout.analysis.replay import BadInput, JudgeOutcome, judge_input, load_input, one_line
-from rollout.record.result import EXIT_CODES
+from rollout.commands.arguments import parse_alone
 
-__all__ = ["main", "table", "exit_code"]
+if TYPE_CHECKING:
+    from rollout.analysis.replay import JudgeOutcome
+    from rollout.judge.verdicts import Decision
+
+__all__ = ["register", "run", "main", "table", "exit_code"]
 
 EXIT_BAD_INPUT = 2
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
-
 
 
 # -- output ------------------------------------------------------------------------------------
@@ -91,6 +64,9 @@ def table(outcome: JudgeOutcome) -> str:
 def exit_code(decisions: Sequence[Decision]) -> int:
     """As `run`: 0 when every input promotes, 3 when any rolls back, else 4 (pass an unaccepted PROMOTE under
     changed gates as INCONCLUSIVE)."""
+    from rollout.judge.verdicts import Decision
+    from rollout.record.result import EXIT_CODES
+
     if any(d is Decision.ROLLBACK for d in decisions):
         return EXIT_CODES[Decision.ROLLBACK]
     if decisions and all(d is Decision.PROMOTE for d in decisions):
@@ -98,9 +74,9 @@ def exit_code(decisions: Sequence[Decision]) -> int:
     return EXIT_CODES[Decision.INCONCLUSIVE]
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    """``mtp-canary judge RECORDS.jsonl|RUN_DIR... [--config RUN.yaml] [--json]``."""
-    parser = argparse.ArgumentParser(prog="mtp-canary judge", description=__doc__.splitlines()[0])
+def register(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
+    parser = sub.add_parser("judge", help="re-judge runs' request records (records.jsonl or run dirs) with the "
+                            "controller's look logic", description=__doc__.splitlines()[0])
     parser.add_argument("inputs", nargs="+", metavar="RECORDS.jsonl|RUN_DIR")
     parser.add_argument("--config", help="a run config whose gates and look plan to judge with "
                         "(default: the run directory's decision.json gates_config, else the defaults)")
@@ -108,7 +84,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser.add_argument("--accept-changed-gates", action="store_true",
                         help="exit 0 on a PROMOTE under gates, thresholds, alpha or plan other than the run's own "
                              "(they are listed either way)")
-    args = parser.parse_args(list(sys.argv[1:] if argv is None else argv))
+    parser.set_defaults(handler=run)
+    return parser
+
+
+def run(args: argparse.Namespace) -> int:
+    """Every input judged, a table (or JSON lines) each; exit as `run` would have."""
+    from rollout.analysis.replay import BadInput, judge_input, load_input, one_line
+    from rollout.judge.verdicts import Decision
+
     try:
         run_config = None
         if args.config is not None:
@@ -126,3 +110,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         outcome.accept_changed = args.accept_changed_gates
         print(json.dumps(outcome.document()) if args.json else table(outcome))
     return exit_code([Decision.INCONCLUSIVE if o.unaccepted_promote else o.decision for o in outcomes])
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """`mtp-canary judge ...` parsed alone (`python -m rollout.commands.judge`, tests)."""
+    return run(parse_alone(register, argv))
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -25,6 +25,7 @@ from collections.abc import Sequence
 from dataclasses import asdict, dataclass, field
 from typing import Any
 
+from rollout.commands.arguments import parse_alone
 from rollout.run.node_check import RUN_MODULES, NodeCheck, check_nodes, launched_arms, run_arms
 
 # the fleet's teardown waits up to 60 s for every replica's stop; `ray job stop` must wait longer
@@ -42,8 +43,6 @@ class ReplicaPlan:
     gpu_ids: list[str] = field(default_factory=list)
 
 
-
-
 @dataclass
 class Plan:
     replicas: list[ReplicaPlan]
@@ -59,14 +58,6 @@ class Plan:
 
     def document(self) -> dict[str, Any]:
         return {"ok": self.ok, **asdict(self)}
-
-
-
-
-
-
-
-
 
 
 def gpu_hours(cfg) -> dict[str, Any]:
@@ -152,8 +143,6 @@ def place(replicas: list[ReplicaPlan], wait_s: float) -> str | None:
         remove_placement_group(pg)
 
 
-
-
 def target_nodes(cfg, replicas: list[ReplicaPlan]) -> tuple[dict[str, list[str]], list[str]]:
     """node id -> roles (replica names, 'driver', 'locust'), and notes on where Locust goes."""
     import ray
@@ -201,10 +190,6 @@ def shared_load_notes(cfg, nodes: list[dict[str, Any]], driver: str, locust: lis
         notes.append(f"load: {cfg.experiment.workers} Locust worker(s) share GPU node(s) {', '.join(shared)} with the "
                      "replicas (no CPU-only node to keep them to): their CPU use is in the arms' latency")
     return notes
-
-
-
-
 
 
 def weights_cached(cfg, nodes: list[NodeCheck]) -> tuple[list[str], list[str]]:
@@ -341,13 +326,24 @@ def render(plan: Plan) -> str:
     return "\n".join(lines)
 
 
-def main(argv: Sequence[str] | None = None, modules: Sequence[str] = RUN_MODULES) -> int:
-    parser = argparse.ArgumentParser(prog="mtp-canary plan", description=__doc__.split("\n\n")[0])
+def register(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
+    parser = sub.add_parser("plan", help="before reserving GPUs: placement, node environments, timeouts, GPU-hours",
+                            description=__doc__.split("\n\n")[0])
     parser.add_argument("config", help="the run's YAML config")
     parser.add_argument("--json", action="store_true", help="print one JSON object")
     parser.add_argument("--placement-wait-s", type=float, default=PLACEMENT_PROBE_S,
                         help="how long to wait for the trial placement group (default %(default)s s)")
-    args = parser.parse_args(argv)
+    parser.set_defaults(handler=run)
+    return parser
+
+
+def main(argv: Sequence[str] | None = None, modules: Sequence[str] = RUN_MODULES) -> int:
+    """`mtp-canary plan ...` parsed alone (`python -m rollout.commands.plan`, tests)."""
+    return run(parse_alone(register, argv), modules=modules)
+
+
+def run(args: argparse.Namespace, modules: Sequence[str] = RUN_MODULES) -> int:
+    """The plan made on the connected cluster and printed; 0 when every check passed, 1 if one failed."""
 
     from rollout.config import ConfigError, load_config
 

@@ -12,25 +12,28 @@ serves until SIGINT or SIGTERM, then stops cleanly. Exit codes: 0 stopped by a
 signal, 2 bad arguments, 1 could not listen. Its event loop is uvloop when that is
 installed, as a Ray actor's is.
 
-`add_parser(subparsers)` adds the command to the CLI's subparsers; `run(args)` runs it;
-`python -m rollout.commands.router ...` runs it alone.
+`register(subparsers)` adds the command (no import of the router's machinery: `--help` stays
+fast); `run(args)` serves; `python -m rollout.commands.router ...` runs it alone.
 """
 
 from __future__ import annotations
 
 import argparse
-import asyncio
 import logging
 import signal
 import sys
 from collections.abc import Callable
 from dataclasses import dataclass
 
-from pydantic import ValidationError
+from typing import TYPE_CHECKING
 
-from cluster.arms import BASELINE
-from cluster.router import ArmWeights, RouterServer
-from cluster.router_limits import DEFAULT_TOKEN_ENV, MIB, RouterLimits, limits_error
+from rollout.commands.arguments import parse_alone
+
+if TYPE_CHECKING:
+    import asyncio
+
+    from cluster.router import ArmWeights
+    from cluster.router_limits import RouterLimits
 
 EXIT_OK = 0
 EXIT_CANNOT_SERVE = 1
@@ -47,16 +50,11 @@ class RouterPlan:
     limits: RouterLimits
 
 
-def add_parser(subparsers: argparse._SubParsersAction) -> None:
+def register(subparsers: argparse._SubParsersAction) -> argparse.ArgumentParser:
     parser = subparsers.add_parser(
         "router", help="serve the router alone (no Ray) in front of servers that already run",
         description=__doc__.split("\n\n")[0] if __doc__ else None,
     )
-    _add_arguments(parser)
-    parser.set_defaults(func=run)
-
-
-def _add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--arm", action="append", default=[], metavar="NAME=URL",
                         help="a replica of arm NAME at base URL (repeat: more replicas, more arms); required")
     parser.add_argument("--weight", action="append", default=[], metavar="NAME=W",
@@ -64,12 +62,16 @@ def _add_arguments(parser: argparse.ArgumentParser) -> None:
     parser.add_argument("--host", default="127.0.0.1",
                         help="interface to listen on (default 127.0.0.1; beyond loopback the token is required)")
     parser.add_argument("--port", type=int, default=0, help="port (default 0: any free one, printed)")
-    parser.add_argument("--max-body-mb", type=float, default=RouterLimits().max_body_bytes / MIB,
-                        help="request body cap in MiB (default %(default)g; beyond it 413)")
-    parser.add_argument("--max-connections", type=int, default=RouterLimits().max_connections,
-                        help="open client connections (default %(default)s; beyond them 503)")
-    parser.add_argument("--auth-token-env", default=DEFAULT_TOKEN_ENV, metavar="VAR",
-                        help="environment variable holding the bearer token clients must send (default %(default)s)")
+    # the limits' defaults are RouterLimits' own (cluster/router_limits.py), filled in by plan_from
+    parser.add_argument("--max-body-mb", type=float, default=None,
+                        help="request body cap in MiB (default: the router's, 16; beyond it 413)")
+    parser.add_argument("--max-connections", type=int, default=None,
+                        help="open client connections (default: the router's; beyond them 503)")
+    parser.add_argument("--auth-token-env", default=None, metavar="VAR",
+                        help="environment variable holding the bearer token clients must send "
+                             "(default MTP_CANARY_ROUTER_TOKEN)")
+    parser.set_defaults(handler=run)
+    return parser
 
 
 def run(args: argparse.Namespace) -> int:
@@ -79,6 +81,8 @@ def run(args: argparse.Namespace) -> int:
     except ValueError as exc:
         print(f"{PROG}: {exc}", file=sys.stderr)
         return EXIT_USAGE
+    import asyncio
+
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(message)s")
     with asyncio.Runner(loop_factory=_loop_factory()) as runner:
         return runner.run(_serve(plan, args.host, args.port))
@@ -95,6 +99,12 @@ def _loop_factory() -> Callable[[], asyncio.AbstractEventLoop] | None:
 
 def plan_from(args: argparse.Namespace) -> RouterPlan:
     """The validated arms, weights and limits; ValueError naming the bad argument."""
+    from pydantic import ValidationError
+
+    from cluster.arms import BASELINE
+    from cluster.router import ArmWeights
+    from cluster.router_limits import MIB, RouterLimits, limits_error
+
     arms: dict[str, list[str]] = {}
     for name, url in _pairs(args.arm, "--arm", "NAME=URL"):
         arms.setdefault(name, []).append(url)
@@ -114,13 +124,12 @@ def plan_from(args: argparse.Namespace) -> RouterPlan:
         arm_weights = ArmWeights(weights)
     except ValueError as exc:
         raise ValueError(f"--weight: {exc}") from None
-    if args.max_body_mb <= 0:
+    if args.max_body_mb is not None and args.max_body_mb <= 0:
         raise ValueError(f"--max-body-mb must be > 0, got {args.max_body_mb:g}")
+    given = {"max_body_bytes": None if args.max_body_mb is None else max(1, int(args.max_body_mb * MIB)),
+             "max_connections": args.max_connections, "auth_token_env": args.auth_token_env}
     try:
-        limits = RouterLimits(
-            max_body_bytes=max(1, int(args.max_body_mb * MIB)), max_connections=args.max_connections,
-            auth_token_env=args.auth_token_env,
-        )
+        limits = RouterLimits(**{field: value for field, value in given.items() if value is not None})
     except ValidationError as exc:
         raise ValueError(f"limits: {limits_error(exc)}") from None
     return RouterPlan(arms, arm_weights, limits)
@@ -137,6 +146,8 @@ def _pairs(values: list[str], flag: str, form: str) -> list[tuple[str, str]]:
 
 
 async def _serve(plan: RouterPlan, host: str, port: int) -> int:
+    from cluster.router import RouterServer
+
     server = RouterServer(initial_weights=plan.weights.by_arm, limits=plan.limits)
     try:
         await server.set_arms(plan.arms)
@@ -151,6 +162,8 @@ async def _serve(plan: RouterPlan, host: str, port: int) -> int:
     except OSError as exc:
         print(f"{PROG}: cannot listen on {host}:{port}: {exc.strerror or exc}", file=sys.stderr)
         return EXIT_CANNOT_SERVE
+    import asyncio
+
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for signum in (signal.SIGINT, signal.SIGTERM):
@@ -171,9 +184,8 @@ async def _serve(plan: RouterPlan, host: str, port: int) -> int:
 
 
 def main(argv: list[str] | None = None) -> int:
-    parser = argparse.ArgumentParser(prog=PROG, description=__doc__.split("\n\n")[0] if __doc__ else None)
-    _add_arguments(parser)
-    return run(parser.parse_args(argv))
+    """`mtp-canary router ...` parsed alone (`python -m rollout.commands.router`, tests)."""
+    return run(parse_alone(register, argv))
 
 
 if __name__ == "__main__":

@@ -43,6 +43,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TextIO
 
+from rollout.commands.arguments import parse_alone
 from rollout.record.log_line import DECISION_IN_LOG_ENV, DECISION_PREFIX, decision_from_log
 
 EXIT_INFRASTRUCTURE, EXIT_USAGE = 1, 2
@@ -105,10 +106,6 @@ def final_line(log: str) -> tuple[int, str, str | None] | None:
         if match:
             found = (int(match.group(1)), match.group(2), match.group(3))
     return found
-
-
-
-
 
 
 def outcome_of(job_id: str, status: str, driver_exit_code: int | None, message: str, log: str) -> Outcome:
@@ -251,8 +248,9 @@ def run_entrypoint(config: Path, working_dir: Path, runs_dir: Path) -> list[str]
     return ["sh", "-c", f'exec python -m rollout run "$1" --runs-dir "{under}/$2"', "mtp-canary", str(relative), rest]
 
 
-def build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="mtp-canary submit", description=__doc__.splitlines()[0])
+def register(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
+    parser = sub.add_parser("submit", help="run a canary as a Ray Job; follow its log; exit with the run's own code",
+                            description=__doc__.splitlines()[0])
     parser.add_argument("config", metavar="CONFIG", help="run config, inside --working-dir (it is uploaded with it)")
     parser.add_argument("--address", default=os.environ.get("RAY_ADDRESS") or DEFAULT_ADDRESS,
                         help=f"the Ray job server (dashboard) URL (default: $RAY_ADDRESS, else {DEFAULT_ADDRESS})")
@@ -267,6 +265,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "(default: ./runs/<run_id>/)")
     parser.add_argument("--decision-out", default=None, metavar="FILE", help="also write the run's decision.json to FILE")
     parser.add_argument("--junit", default=None, metavar="FILE", help="also write the run's junit.xml to FILE (for CI)")
+    parser.set_defaults(handler=run)
     return parser
 
 
@@ -337,7 +336,12 @@ def _log_disagrees(doc: dict, outcome: Outcome) -> str:
 
 
 def main(argv: list[str] | None = None, out: TextIO = sys.stdout) -> int:
-    args = build_parser().parse_args(argv)
+    """`mtp-canary submit ...` parsed alone (`python -m rollout.commands.submit`, tests)."""
+    return run(parse_alone(register, argv), out=out)
+
+
+def run(args: argparse.Namespace, out: TextIO = sys.stdout) -> int:
+    """Submit, follow, fetch the decision; the run's own exit code."""
     from rollout.config import ConfigError, load_config
 
     working_dir = Path(args.working_dir).resolve()

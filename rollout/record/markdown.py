@@ -361,22 +361,3 @@ def regenerate_reports(run_dir: Path) -> dict[str, Path]:
     """report.md, junit.xml, metrics.prom and report.html again from a run's decision.json (left as it is)."""
     doc = json.loads((Path(run_dir) / "decision.json").read_text())
     return _write_derived(doc, Path(run_dir))
-
-
-def main(argv: list[str] | None = None) -> int:
-    """`mtp-canary report RUN_ID|RUN_DIR [--runs-dir DIR]`: write report.md, report.html, junit.xml and metrics.prom again."""
-    import argparse
-    import sys
-
-    parser = argparse.ArgumentParser(prog="mtp-canary report", description=main.__doc__.split(":", 1)[1].strip())
-    parser.add_argument("run", metavar="RUN_ID|RUN_DIR")
-    parser.add_argument("--runs-dir", default="runs")
-    args = parser.parse_args(argv)
-    run_dir = Path(args.run) if Path(args.run).is_dir() else Path(args.runs_dir) / args.run
-    try:
-        paths = regenerate_reports(run_dir)
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-        print(f"mtp-canary report: {run_dir / 'decision.json'}: cannot read it ({type(exc).__name__}: {exc})", file=sys.stderr)
-        return 2
-    print("\n".join(str(path) for path in paths.values()))
-    return 0
