@@ -143,7 +143,7 @@ def render(result: Mapping[str, Any], command: str, commit: str, machine: str) -
 
 
 def _dependence(rows: Sequence[Mapping[str, Any]], bound: float) -> list[str]:
-    """The worlds built to break the looks' independence (rollout.judge.scenarios.DEPENDENCE_SCENARIOS)."""
+    """The worlds built to break the looks' independence (rollout.calibration.scenarios.DEPENDENCE_SCENARIOS)."""
     lines = ["", "## Worlds that break the looks' independence", "",
              "Each arm's latency level persists across looks (AR(1) `ar1_SD_RHO`, `random_walk_STEP`, `linear_drift`), "
              "one arm starts cold (`warmup_ARM_AMP_LOOKS`: AMP slower, decaying by e every LOOKS looks; the default "

@@ -1,4 +1,4 @@
-"""calibrate's several-candidates rows alone (rollout.judge.calibrate.CANDIDATE_ROWS), without the rest of the table:
+"""calibrate's several-candidates rows alone (rollout.calibration.calibrate.CANDIDATE_ROWS), without the rest of the table:
 
     python benchmarks/candidate_rows.py TRIALS [--workers W] [--seed S]
 
@@ -14,7 +14,7 @@ import math
 import multiprocessing
 import time
 
-from rollout.judge import calibrate as c
+from rollout.calibration import calibrate as c
 
 
 def main() -> None:

@@ -1,7 +1,7 @@
 """The noise_floor rows of calibrate alone (aa_placement_0.95/0.8, twin_power_0.7), quickly:
 `python benchmarks/noise_floor_rows.py TRIALS` (prints each row's objective pass rate)."""
 import sys, time
-from rollout.judge import calibrate as c
+from rollout.calibration import calibrate as c
 from rollout.judge.names import OBJECTIVE_NAME
 d = c.default_design()
 specs = c._noise_floor_specs(d)

@@ -1,6 +1,6 @@
 """What the router costs: the latency it adds, and the concurrent streams one router core carries.
 
-Both measured through `python -m rollout.router_command` (the RouterServer a run starts as a Ray
+Both measured through `python -m rollout.commands.router` (the RouterServer a run starts as a Ray
 actor, here without Ray) in front of benchmarks/stream_target.py, a zero-work streaming server:
 
 1. Added latency. The same short streaming request (8 tokens, no delays at the target), one at a
@@ -137,7 +137,7 @@ class RouterProcess:
         arms = [arg for url in targets for arg in ("--arm", f"baseline={url}")]
         self.log = tempfile.TemporaryFile(mode="w+")
         self.process = subprocess.Popen(
-            [sys.executable, "-m", "rollout.router_command", *arms, "--max-connections", str(max_connections)],
+            [sys.executable, "-m", "rollout.commands.router", *arms, "--max-connections", str(max_connections)],
             cwd=REPO, stdout=subprocess.PIPE, stderr=self.log, text=True,
         )
         assert self.process.stdout is not None

@@ -212,7 +212,7 @@ def speed_by_depth(args, cache: Path, log_dir: str) -> dict:
 
 def decay_profiles(args, cache: Path, log_dir: str) -> list[dict]:
     """Per decay: each depth's measured acceptance and TPOT, and the advice from the deepest one's profile."""
-    from rollout.depth_advice import DepthArm, advise_depth
+    from rollout.analysis.depth_advice import DepthArm, advise_depth
 
     out = []
     for decay in args.decay:

@@ -2,7 +2,7 @@
 
     python benchmarks/ttft_guard_rows.py TRIALS [--workers W] [--seed S] [--scenarios iid opposed_level_0.10 ...]
 
-Per world (rollout.judge.scenarios.LATENCY_SCENARIOS), two sets of calibrate's own trials of the demo's design
+Per world (rollout.calibration.scenarios.LATENCY_SCENARIOS), two sets of calibrate's own trials of the demo's design
 (configs/local-cpu.yaml: 10 looks of 40 per arm, cap 3.5): the canary's TTFT exactly at the cap (TPOT ratio 0.7,
 so the objective passes and the run goes on), where P(guard PASS) is a false pass (target <= alpha + 2 SE), and
 TTFT unchanged, where P(guard PASS) is the guard's power (PROMOTE needs it). The guard's design effects are
@@ -18,8 +18,8 @@ import math
 import multiprocessing
 import time
 
-from rollout.judge import calibrate as c
-from rollout.judge.scenarios import LATENCY_SCENARIOS, TrialSpec
+from rollout.calibration import calibrate as c
+from rollout.calibration.scenarios import LATENCY_SCENARIOS, TrialSpec
 
 GATE = "ttft_p95_guard"
 

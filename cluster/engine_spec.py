@@ -2,7 +2,7 @@
 
 An arm of the canary (baseline or canary) is N replicas of one EngineSpec. The
 spec is plain data (validated by pydantic) so it can travel in YAML, through
-Ray, and into decision.json (there with its secrets redacted: rollout.redact).
+Ray, and into decision.json (there with its secrets redacted: rollout.record.redact).
 
 It also knows the engine's flags: which ones the replica owns (refused in
 `extra_args` however vLLM's parser would spell them: `reserved_flag_error`) and

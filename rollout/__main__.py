@@ -2,6 +2,6 @@
 
 import sys
 
-from rollout.cli import main
+from rollout.commands.cli import main
 
 sys.exit(main())

@@ -184,7 +184,7 @@ WORKER_PLACEMENTS = ("local", "auto", "spread", "pack", "node", "label", "resour
 
 
 class AdaptiveSweepConfig(BaseModel):
-    """The sweep picks its own levels to find where speculation stops paying (rollout.crossover.next_level)."""
+    """The sweep picks its own levels to find where speculation stops paying (rollout.analysis.crossover.next_level)."""
 
     model_config = ConfigDict(extra="forbid")
 
@@ -449,7 +449,7 @@ class RayConfig(BaseModel):
 
 
 class MetricsConfig(BaseModel):
-    """The controller's live Prometheus endpoint (rollout.live_metrics): off unless a port is given."""
+    """The controller's live Prometheus endpoint (rollout.run.live_metrics): off unless a port is given."""
 
     model_config = ConfigDict(extra="forbid")
 

@@ -24,7 +24,7 @@ a flag as `extra_args:--max-num-seqs` (any spelling vLLM reads as that flag: `--
 `env`, `cpu`, `tiny_model`) covers everything in it.
 
 Secret values never leave here: a secret-bearing flag's value (cluster.engine_spec.is_secret_flag)
-and every env value are shown as REDACTED (rollout.redact treats every env value as secret).
+and every env value are shown as REDACTED (rollout.record.redact treats every env value as secret).
 """
 
 from __future__ import annotations

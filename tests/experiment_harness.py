@@ -18,8 +18,8 @@ from loadtests.options import TrafficOptions
 from loadtests.swarm import SwarmSpec
 from rollout.config import ExperimentConfig
 from rollout.judge.config import GatesConfig
-from rollout.phases.experiment_loop import LOAD_STOP_TIMEOUT_S, ExperimentContext, ExperimentPhase
-from rollout.store import RunStore
+from rollout.run.phases.experiment_loop import LOAD_STOP_TIMEOUT_S, ExperimentContext, ExperimentPhase
+from rollout.run.store import RunStore
 
 
 @contextmanager

@@ -18,9 +18,9 @@ from cluster.metrics import MetricsSnapshot
 from cluster.router import RouterClient
 from loadtests.records import read_records
 from rollout.config import ProgressiveConfig
-from rollout.phases.progressive_context import ProgressiveContext, ProgressiveOutcome
-from rollout.phases.progressive_steps import PHASE
-from rollout.store import RunStore
+from rollout.run.phases.progressive_context import ProgressiveContext, ProgressiveOutcome
+from rollout.run.phases.progressive_steps import PHASE
+from rollout.run.store import RunStore
 
 
 def locust_processes(marker: str) -> list[psutil.Process]:

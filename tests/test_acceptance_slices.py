@@ -1,12 +1,12 @@
-"""Acceptance by prompt length and by turn (rollout.acceptance_slices): the requests' own counters, grouped."""
+"""Acceptance by prompt length and by turn (rollout.analysis.acceptance_slices): the requests' own counters, grouped."""
 
 from __future__ import annotations
 
 import pytest
 
 from loadtests.records import RequestRecord
-from rollout.acceptance_slices import by_prompt_length, by_turn, prompt_bucket
-from rollout.report import markdown_report
+from rollout.analysis.acceptance_slices import by_prompt_length, by_turn, prompt_bucket
+from rollout.record.markdown import markdown_report
 from tests.test_result import recorded_document
 
 

@@ -1,5 +1,5 @@
 """Attempts at one question: a comparison retried after INCONCLUSIVE spends its alpha again, and the run
-says so before it starts (rollout.store.same_question_runs, rollout.phases.setup.attempts_note)."""
+says so before it starts (rollout.run.store.same_question_runs, rollout.run.phases.setup.attempts_note)."""
 
 from __future__ import annotations
 
@@ -9,8 +9,8 @@ from types import SimpleNamespace
 import yaml
 
 from rollout.config import parse_config
-from rollout.result import RunResult, decision_document
-from rollout.store import RunStore, same_question_runs
+from rollout.record.result import RunResult, decision_document
+from rollout.run.store import RunStore, same_question_runs
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -46,7 +46,7 @@ def test_attempts_at_one_comparison_are_counted_whatever_the_plan_or_gates(tmp_p
 
 
 def test_a_run_says_its_comparison_was_judged_inconclusive_and_the_alpha_spent_together(tmp_path):
-    from rollout.phases.setup import attempts_note
+    from rollout.run.phases.setup import attempts_note
 
     store = RunStore(tmp_path / "history.db")
     cfg = config()
@@ -66,7 +66,7 @@ def test_a_run_says_its_comparison_was_judged_inconclusive_and_the_alpha_spent_t
 
 
 def test_a_first_attempt_says_nothing(tmp_path):
-    from rollout.phases.setup import attempts_note
+    from rollout.run.phases.setup import attempts_note
 
     store = RunStore(tmp_path / "history.db")
     cfg = config()
@@ -79,7 +79,7 @@ def test_a_first_attempt_says_nothing(tmp_path):
 
 
 def test_history_says_which_attempt_at_a_comparison_each_run_was(tmp_path, capsys):
-    from rollout.cli import main
+    from rollout.commands.cli import main
 
     store = RunStore(tmp_path / "history.db")
     cfg = config()

@@ -3,7 +3,7 @@ one line on stderr naming the cause or the field, exit 2, before anything starts
 
 Each file is configs/local-cpu.yaml with one thing wrong (or bytes that are no text at all);
 EXPECTED.yaml maps it to a substring its one line must contain. Every file goes through the
-CLI in-process (`rollout.cli.main`, the path `python -m rollout run` takes; ~1-15 ms each);
+CLI in-process (`rollout.commands.cli.main`, the path `python -m rollout run` takes; ~1-15 ms each);
 the hostile ones also as a real `python -m rollout run` subprocess (~1.3 s of CPU each, mostly
 imports), which also shows no Ray started and nothing written. The target is 2 s per config;
 the 10 s bound here is loose for a slow, shared machine.
@@ -20,7 +20,8 @@ from pathlib import Path
 import pytest
 import yaml
 
-from rollout import cli
+from rollout.commands import cli
+from rollout.commands import run as run_command
 from rollout.config import MAX_CONFIG_BYTES
 from tests.conftest import REPO
 
@@ -44,7 +45,7 @@ def test_the_corpus_and_its_expectations_match():
 
 def run_in_process(path: Path, tmp_path: Path, capsys, monkeypatch) -> tuple[int, str, str, float]:
     """`mtp-canary run PATH` through cli.main, failing the test if it would start a run."""
-    monkeypatch.setattr(cli, "_start_run", lambda *a: pytest.fail(f"{path.name} was accepted"))
+    monkeypatch.setattr(run_command, "start_run", lambda *a: pytest.fail(f"{path.name} was accepted"))
     runs = tmp_path / "runs"
     t0 = time.perf_counter()
     code = cli.main(["run", str(path), "--runs-dir", str(runs), "--ray-address", "local"])
@@ -104,7 +105,7 @@ def test_a_config_that_is_a_directory_or_missing_is_one_line(tmp_path, capsys, m
 
 
 def test_an_override_out_of_range_is_one_line_too(tmp_path, capsys, monkeypatch):
-    monkeypatch.setattr(cli, "_start_run", lambda *a: pytest.fail("accepted"))
+    monkeypatch.setattr(run_command, "start_run", lambda *a: pytest.fail("accepted"))
     code = cli.main(["run", str(REPO / "configs" / "local-cpu.yaml"), "--runs-dir", str(tmp_path / "runs"),
                      "--window-s", "0"])
     assert code == 2

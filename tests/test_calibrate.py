@@ -1,7 +1,7 @@
 """Tests of `mtp-canary calibrate`: it simulates the design the controller runs, through the controller's functions.
 
 Few trials here (the full 2,000-trial table is a command: see the module docstring of
-rollout/judge/calibrate.py); these tests check the harness, not that today's
+rollout/calibration/calibrate.py); these tests check the harness, not that today's
 statistics meet alpha:
 
 * the JSON has the published keys and types, and one seed gives one result whatever
@@ -9,7 +9,7 @@ statistics meet alpha:
 * a judge broken on purpose shows up as a false-promote rate near 1 (the harness can fail);
 * a real run's records, judged through the harness's per-look path, give the verdicts
   and intervals the controller stored (tests/data/calibrate/, a `make demo` run);
-* the accuracy loop makes the controller's calls (rollout.phases.accuracy.judge_outcomes);
+* the accuracy loop makes the controller's calls (rollout.run.phases.accuracy.judge_outcomes);
 * ``--config`` changes the simulated design, and the embedded default is configs/local-cpu.yaml.
 """
 
@@ -28,16 +28,18 @@ from cluster.metrics import SpecDecodeStats
 from loadtests.records import RequestRecord
 from rollout.config import ExperimentConfig, load_config
 from rollout.evals import ItemOutcome
-from rollout.judge import calibrate, experiment_looks
-from rollout.judge.calibrate import default_design, design_from_run_config, format_table, main, run_calibration
-from rollout.judge.calibration_trial import look_ends, run_accuracy_batches, run_experiment_looks
+from rollout.calibration import calibrate
+from rollout.judge import experiment_looks
+from rollout.calibration.calibrate import default_design, design_from_run_config, format_table, run_calibration
+from rollout.commands.calibrate import main
+from rollout.calibration.trial import look_ends, run_accuracy_batches, run_experiment_looks
 from rollout.judge.config import GatesConfig
 from rollout.judge.experiment_looks import LookPlan, record_arm
 from rollout.judge.names import OBJECTIVE_NAME
-from rollout.judge.scenarios import LATENCY_SCENARIOS, TrialSpec
+from rollout.calibration.scenarios import LATENCY_SCENARIOS, TrialSpec
 from rollout.judge.verdicts import Verdict
-from rollout.phases.accuracy import judge_outcomes
-from rollout.phases.experiment_loop import ExperimentPhase
+from rollout.run.phases.accuracy import judge_outcomes
+from rollout.run.phases.experiment_loop import ExperimentPhase
 from tests.conftest import REPO
 
 DATA = Path(__file__).parent / "data" / "calibrate"
@@ -150,7 +152,7 @@ def _replay_setup():
 
 
 def _controller_looks(records, ends, cfg, canary_spec) -> list[list]:
-    """The live controller's own look (rollout.phases.experiment_loop.ExperimentPhase._look) over the same slices,
+    """The live controller's own look (rollout.run.phases.experiment_loop.ExperimentPhase._look) over the same slices,
     with a store and a scrape that do nothing but hold the records and the canary's counters."""
     store = SimpleNamespace(add_request_samples=lambda run_id, phase, look, rows: len(rows), put_phase_result=lambda *a: None)
     ctx = SimpleNamespace(
@@ -241,7 +243,7 @@ def test_the_simulated_look_rule_is_the_controllers():
 
 # -- the accuracy phase -----------------------------------------------------------------------
 def test_the_accuracy_loop_makes_the_controllers_calls():
-    """run_accuracy_batches judges every batch as rollout.phases.accuracy.judge_outcomes does (same verdicts,
+    """run_accuracy_batches judges every batch as rollout.run.phases.accuracy.judge_outcomes does (same verdicts,
     intervals and estimates; interim before the last batch), so a change there the harness misses shows here."""
     rng = np.random.default_rng(4)
     n, batch = 70, 32
@@ -276,7 +278,7 @@ def test_the_embedded_default_is_the_demo_config():
 
 @pytest.mark.parametrize("name", ["local-cpu.yaml", "mimo-v2.5-mtp.yaml", "examples/local-progressive.yaml"])
 def test_a_run_config_file_reads_as_the_house_loader_reads_it(name):
-    """`--config` reads the YAML itself (the judge may not import rollout.config): same design as the loader's."""
+    """A run config as plain YAML data gives the same design as the house loader's (defaults filled in)."""
     path = REPO / "configs" / name
     assert design_from_run_config(yaml.safe_load(path.read_text()), "x") == design_from_run_config(
         load_config(path).model_dump(), "x"
@@ -307,7 +309,9 @@ def test_config_changes_the_simulated_design(tmp_path, capsys):
 def test_a_bad_config_is_one_line_and_exit_2(tmp_path, capsys):
     """A config the design cannot use is refused before any simulation, in one line."""
     path = tmp_path / "bad.yaml"
-    path.write_text("experiment: {requests_per_look: 300, requests_per_arm: 200}\n")
+    data = yaml.safe_load((REPO / "configs" / "local-cpu.yaml").read_text())
+    data["experiment"].update(requests_per_look=300, requests_per_arm=200)
+    path.write_text(yaml.safe_dump(data))
     assert main(["--config", str(path), "--trials", "1"]) == 2
     err = capsys.readouterr().err.strip()
     assert "requests_per_look" in err and "\n" not in err
@@ -322,7 +326,7 @@ def test_the_limits_the_world_is_put_at_are_the_true_values():
     """pass_at_limit is only as good as 'at the limit': the simulated canary's mean acceptance length is the floor
     (counters summed as /metrics would), and with an E2E guard configured the solved TTFT factor puts the true
     E2E p95 ratio at its limit (checked on a fresh sample)."""
-    from rollout.judge.scenarios import spec_decode_by_request
+    from rollout.calibration.scenarios import spec_decode_by_request
 
     rng = np.random.default_rng(8)
     drafts, accepted = spec_decode_by_request(rng, 4000, 32, 3, 1.5)

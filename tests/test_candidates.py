@@ -1,5 +1,5 @@
 """Several candidates against one baseline (rollout.judge.candidates): the alpha split, the winner, each loser's
-reason, and the simulated world's candidate arms (rollout.judge.scenarios) calibrate judges them in."""
+reason, and the simulated world's candidate arms (rollout.calibration.scenarios) calibrate judges them in."""
 
 from __future__ import annotations
 
@@ -9,11 +9,11 @@ import numpy as np
 import pytest
 
 from cluster.arms import BASELINE, CANARY
-from rollout.judge import calibrate
+from rollout.calibration import calibrate
 from rollout.judge.candidates import CandidateResult, candidate_gates, choose_winner
 from rollout.judge.config import GatesConfig
 from rollout.judge.names import OBJECTIVE_NAME
-from rollout.judge.scenarios import TrialSpec, candidate_arms, simulate_records
+from rollout.calibration.scenarios import TrialSpec, candidate_arms, simulate_records
 from rollout.judge.verdicts import Decision, GateResult, Verdict
 
 # the experiment's gates only: the accuracy phase's would be missing evidence in these hand-made results
@@ -152,7 +152,7 @@ def test_a_candidates_view_is_the_baseline_and_that_candidate_as_the_canary():
 
 def candidates_document(winner: str | None) -> dict:
     """A decision.json of a run with two candidates: k3 won (k2 passed but slower), or none did."""
-    from rollout.result import CandidateSummary, RunResult, decision_document
+    from rollout.record.result import CandidateSummary, RunResult, decision_document
 
     k2 = CandidateSummary(name="k2", speculative_tokens=2, alpha=0.025, decision=Decision.PROMOTE if winner else
                           Decision.ROLLBACK, reason="passed, but k3 is faster" if winner else "rolled back: x failed",
@@ -172,7 +172,7 @@ def candidates_document(winner: str | None) -> dict:
 def test_decision_json_holds_each_candidate_and_the_winner_and_reads_back():
     from pathlib import Path
 
-    from rollout.result import RunResult, decision_document
+    from rollout.record.result import RunResult, decision_document
 
     doc = candidates_document("k3")
     assert doc["winner"] == "k3"
@@ -181,7 +181,7 @@ def test_decision_json_holds_each_candidate_and_the_winner_and_reads_back():
     back = RunResult.from_document(doc, candidates_config(), Path("/tmp/cands"))
     assert decision_document(back) == doc
     # a one-canary run's document has neither key (its key paths are the recorded runs')
-    from rollout.result import RunResult as Result
+    from rollout.record.result import RunResult as Result
 
     plain = decision_document(Result(run_id="one", run_dir=Path("/tmp/one"), config=candidates_config(candidates=[])))
     assert "candidates" not in plain and "winner" not in plain
@@ -190,8 +190,8 @@ def test_decision_json_holds_each_candidate_and_the_winner_and_reads_back():
 def test_junit_metrics_and_report_name_every_candidate_and_why():
     import xml.etree.ElementTree as ET
 
-    from rollout.junit_report import junit_xml
-    from rollout.report import markdown_report
+    from rollout.record.junit import junit_xml
+    from rollout.record.markdown import markdown_report
 
     won = ET.fromstring(junit_xml(candidates_document("k3")))
     cases = {c.get("name"): c for c in won.iter("testcase")}
@@ -201,7 +201,7 @@ def test_junit_metrics_and_report_name_every_candidate_and_why():
     lost = ET.fromstring(junit_xml(candidates_document(None)))
     cases = {c.get("name"): c for c in lost.iter("testcase")}
     assert cases["candidate k2"].find("failure") is not None and cases["candidate k3"].find("error") is not None
-    from rollout.metrics_export import metrics_text
+    from rollout.record.prometheus import metrics_text
 
     prom = metrics_text(candidates_document("k3"))
     assert 'mtp_canary_candidate_winner{candidate="k3",run_id="cands"} 1.0' in prom
@@ -213,10 +213,10 @@ def test_junit_metrics_and_report_name_every_candidate_and_why():
 def test_a_run_with_candidates_is_not_resumed_nor_replayed_as_one_canary(tmp_path, capsys):
     import json
 
-    from rollout import cli
-    from rollout.rejudge import BadInput, load_input
+    from rollout.commands import resume as resume_command
+    from rollout.analysis.replay import BadInput, load_input
 
-    assert cli._resumable(candidates_config(), "run-1") is None
+    assert resume_command.resumable(candidates_config(), "run-1") is None
     assert "cannot be resumed" in capsys.readouterr().err
     run = tmp_path / "run"
     run.mkdir()
@@ -228,8 +228,8 @@ def test_a_run_with_candidates_is_not_resumed_nor_replayed_as_one_canary(tmp_pat
 
 
 def test_status_shows_each_candidates_gates_of_each_look(tmp_path):
-    from rollout.status import run_status
-    from rollout.store import RunStore
+    from rollout.run.status import run_status
+    from rollout.run.store import RunStore
 
     store = RunStore(tmp_path / "history.db")
     store.create_run("c", "cands", "tiny", {})
@@ -243,7 +243,7 @@ def test_status_shows_each_candidates_gates_of_each_look(tmp_path):
 def test_report_html_of_a_run_with_candidates_and_a_sweep_on_the_winner(tmp_path):
     import json
 
-    from rollout.report_html import html_report
+    from rollout.record.html import html_report
     from tests.conftest import REPO
 
     recorded = json.loads((REPO / "tests" / "data" / "recorded_runs" / "promote" / "decision.json").read_text())
@@ -274,7 +274,7 @@ def test_a_candidate_is_lost_before_the_experiment_only_by_a_gate_the_run_judges
     FAIL did, and the candidate's experiment gates were then never judged."""
     from types import SimpleNamespace
 
-    from rollout.phases.candidates import lost_candidates
+    from rollout.run.phases.candidates import lost_candidates
 
     cfg = SimpleNamespace(gates=GatesConfig(disabled=["output_divergence"]))
     ctx = SimpleNamespace(cfg=cfg, candidate_gates={

@@ -12,8 +12,8 @@ import threading
 
 import pytest
 
-from rollout.cli import main
-from rollout.store import CommandRefused, RunStore
+from rollout.commands.cli import main
+from rollout.run.store import CommandRefused, RunStore
 from tests.conftest import REPO
 
 # The runs table as the first version of the store created it (no step / canary_weight).
@@ -105,19 +105,19 @@ def test_status_text(runs, capsys):
 
 def test_status_watch_prints_each_change_until_the_run_ends_and_exits_as_run_did(runs, capsys, monkeypatch):
     # Each change waits for a read of the state before it (not a fixed sleep): the watch's first read
-    # comes after its first import of rollout.status (0.8 s here, more on a slow machine; a sleep of
+    # comes after its first import of rollout.run.status (0.8 s here, more on a slow machine; a sleep of
     # 0.6 s let the first change land before it when the test ran alone).
-    import rollout.status
+    import rollout.run.status
 
     reads = threading.Semaphore(0)
-    read_status = rollout.status.run_status
+    read_status = rollout.run.status.run_status
 
     def counted(store, run_id):
         doc = read_status(store, run_id)
         reads.release()
         return doc
 
-    monkeypatch.setattr(rollout.status, "run_status", counted)
+    monkeypatch.setattr(rollout.run.status, "run_status", counted)
 
     def a_read_since() -> None:
         while reads.acquire(blocking=False):  # reads before this moment do not count
@@ -290,7 +290,7 @@ def test_last_look_is_where_a_resumed_phase_continues(tmp_path):
 def test_resume_refuses_unknown_finished_and_still_controlled_runs(runs, capsys):
     import os
 
-    from rollout.store import controller_identity
+    from rollout.run.store import controller_identity
 
     assert main(["resume", "nope", "--runs-dir", str(runs)]) == 2
     assert "no run 'nope'" in capsys.readouterr().err
@@ -328,11 +328,11 @@ def test_supersede_keeps_an_interrupted_attempt_apart(tmp_path):
 
 
 def test_resume_takes_over_from_another_host_only_when_its_heartbeat_is_stale_or_forced(runs, capsys, monkeypatch):
-    from rollout import cli as cli_module
+    from rollout.commands import run as run_command
 
     started: list = []
-    monkeypatch.setattr(cli_module, "_drive", lambda controller, *_, **__: started.append(controller) or 0)
-    monkeypatch.setattr("rollout.store.HEARTBEAT_S", 0.2)  # a stale heartbeat's beats are watched for two beats
+    monkeypatch.setattr(run_command, "drive", lambda controller, *_, **__: started.append(controller) or 0)
+    monkeypatch.setattr("rollout.run.store.HEARTBEAT_S", 0.2)  # a stale heartbeat's beats are watched for two beats
     from rollout.config import load_config
 
     store = RunStore(runs / "history.db")
@@ -372,10 +372,10 @@ def test_a_promote_answers_the_pause_of_that_moment_never_a_later_one(runs, caps
 
 
 def test_resume_refuses_a_run_that_already_ended_in_error(runs, capsys, monkeypatch):
-    from rollout import cli as cli_module
+    from rollout.commands import run as run_command
 
     started: list = []
-    monkeypatch.setattr(cli_module, "_drive", lambda controller, *_, **__: started.append(controller) or 0)
+    monkeypatch.setattr(run_command, "drive", lambda controller, *_, **__: started.append(controller) or 0)
     store = RunStore(runs / "history.db")
     store.update_run("r-live", status="error", exit_code=130, reason="interrupted by SIGTERM")
     code, _, err = cli(capsys, "resume", "r-live", "--runs-dir", str(runs))

@@ -6,7 +6,7 @@ import json
 import subprocess
 import sys
 
-from rollout.compare import comparison, read_run
+from rollout.commands.compare import comparison, read_run
 from tests.conftest import REPO
 
 RUNS = REPO / "tests" / "data" / "recorded_runs"

@@ -134,7 +134,7 @@ def test_an_error_line_stays_one_line_whatever_the_key():
 
 
 def test_the_workload_reaches_every_phases_load(tmp_path):
-    from rollout.run_context import TrafficPlan
+    from rollout.run.context import TrafficPlan
 
     trace = REPO / "loadtests" / "data" / "traces" / "mooncake_sample.jsonl"
     cfg = parse_config(minimal(experiment={"dataset": "trace", "dataset_path": str(trace), "trace_format": "mooncake",

@@ -9,7 +9,7 @@ import sys
 import yaml
 
 from rollout.config import load_config
-from rollout.config_schema import config_schema, markdown_reference, reference_rows
+from rollout.commands.config_schema import config_schema, markdown_reference, reference_rows
 from tests.conftest import REPO
 
 

@@ -14,11 +14,11 @@ import time
 
 import ray
 
-from rollout import controller as controller_module
+from rollout.run import controller as controller_module
 from rollout.config import load_config
-from rollout.controller import Controller
+from rollout.run.controller import Controller
 from rollout.judge.verdicts import Decision
-from rollout.store import RunStore, controller_alive
+from rollout.run.store import RunStore, controller_alive
 from tests.conftest import REPO
 
 
@@ -146,7 +146,7 @@ def test_a_controller_on_another_host_is_alive_while_its_heartbeat_is_fresh():
 
 
 def test_the_lease_keeper_beats_and_survives_what_its_callables_raise(tmp_path):
-    from rollout.run_context import LeaseKeeper
+    from rollout.run.context import LeaseKeeper
 
     beats = []
 

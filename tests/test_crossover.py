@@ -17,10 +17,10 @@ import pytest
 
 from loadtests.records import RequestRecord
 from rollout.config import ConfigError, parse_config
-from rollout.crossover import AdaptivePolicy, LevelResult, crossing, next_level, ratio_interval
-from rollout.load_sweep import crossover_line, level_results
-from rollout.report import markdown_report
-from rollout.result import RunResult, SweepCrossover, decision_document
+from rollout.analysis.crossover import AdaptivePolicy, LevelResult, crossing, next_level, ratio_interval
+from rollout.analysis.load_sweep import crossover_line, level_results
+from rollout.record.markdown import markdown_report
+from rollout.record.result import RunResult, SweepCrossover, decision_document
 from tests.test_config import minimal
 from tests.test_result import RECORDED, config_of
 
@@ -306,11 +306,11 @@ def test_a_sweep_s_crossover_has_the_key_paths_the_recorded_demo_expectation_add
 # -- the phase, with a synthetic load in place of the swarm ----------------------------------------
 def test_the_adaptive_sweep_phase_runs_level_after_level_and_records_the_crossover(tmp_path, monkeypatch):
     from loadtests.records import read_records
-    from rollout.phases.sweep import Sweep
-    from rollout.resume import ResumePoint
-    from rollout.result import ExperimentSummary
-    from rollout.run_context import RunContext
-    from rollout.store import RunStore
+    from rollout.run.phases.sweep import Sweep
+    from rollout.run.resume import ResumePoint
+    from rollout.record.result import ExperimentSummary
+    from rollout.run.context import RunContext
+    from rollout.run.store import RunStore
 
     data = minimal(experiment={"sweep": {"step_s": 10, "adaptive": {
         "enabled": True, "start_level": 1, "max_level": 64, "min_step": 1.0, "max_levels": 9}}},

@@ -7,11 +7,11 @@ import yaml
 
 from rollout.config import parse_config
 from rollout.judge.verdicts import Decision, GateResult, Verdict
-from rollout.phases.decide import Decide
-from rollout.result import RunResult
-from rollout.resume import ResumePoint
-from rollout.run_context import RunContext
-from rollout.store import RunStore
+from rollout.run.phases.decide import Decide
+from rollout.record.result import RunResult
+from rollout.run.resume import ResumePoint
+from rollout.run.context import RunContext
+from rollout.run.store import RunStore
 from tests.conftest import REPO
 
 

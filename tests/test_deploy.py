@@ -10,7 +10,6 @@ and validates.
 
 from __future__ import annotations
 
-import importlib
 import json
 import re
 import shlex
@@ -19,10 +18,10 @@ from pathlib import Path
 import pytest
 import yaml
 
-from rollout import cli
+from rollout.commands import cli
 from rollout.config import load_config
-from rollout.live_metrics import gate_families, router_families, run_families
-from rollout.metrics_export import metrics_text
+from rollout.run.live_metrics import gate_families, router_families, run_families
+from rollout.record.prometheus import metrics_text
 from tests.conftest import REPO
 
 DEPLOY = REPO / "deploy"
@@ -50,10 +49,8 @@ def commands_in(text: str) -> list[list[str]]:
 def parse(argv: list[str]):
     """The argparse namespace the real CLI builds for argv (no execution); a usage error fails the test."""
     assert argv, "a bare mtp-canary"
-    module = cli.DELEGATED.get(argv[0])
-    parser = importlib.import_module(module).build_parser() if module else cli.build_parser()
     try:
-        return parser.parse_args(argv[1:] if module else argv)
+        return cli.build_parser().parse_args(argv)
     except SystemExit as exc:
         pytest.fail(f"the CLI refuses {shlex.join(argv)!r} (exit {exc.code})")
 

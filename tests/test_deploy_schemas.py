@@ -20,7 +20,7 @@ import sys
 import pytest
 import yaml
 
-from rollout import cli
+from rollout.commands import cli
 from rollout.config import load_config
 from tests.conftest import REPO
 

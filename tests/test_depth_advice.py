@@ -1,4 +1,4 @@
-"""The depth advice (rollout.depth_advice): TPOT predicted for every MTP depth from the deepest
+"""The depth advice (rollout.analysis.depth_advice): TPOT predicted for every MTP depth from the deepest
 arm's acceptance profile and the arms' step costs, on worlds whose answer is known."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import random
 
 import pytest
 
-from rollout.depth_advice import DepthArm, advise_depth, layer_reuse
+from rollout.analysis.depth_advice import DepthArm, advise_depth, layer_reuse
 
 # Gemma MTP on vLLM at k=4 (published per-position acceptance), where k=2 beat k=4 at 8 streams
 GEMMA = [0.84, 0.60, 0.39, 0.27]

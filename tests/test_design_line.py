@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from rollout.config import load_config
-from rollout.phases.setup import design_line
+from rollout.run.phases.setup import design_line
 from tests.conftest import REPO
 
 

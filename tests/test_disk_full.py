@@ -19,11 +19,11 @@ from http.server import BaseHTTPRequestHandler, HTTPServer
 
 import pytest
 
-from rollout import cli
-from rollout import controller as controller_module
+from rollout.commands import run as run_command
+from rollout.run import controller as controller_module
 from rollout.config import WeightHookConfig, load_config
-from rollout.controller import Controller
-from rollout.store import RunStore
+from rollout.run.controller import Controller
+from rollout.run.store import RunStore
 from tests.conftest import REPO
 from tests.faults.endpoint_run import HOOK
 from tests.test_controller import Promotes
@@ -31,10 +31,10 @@ from tests.test_controller import Promotes
 
 @pytest.fixture(autouse=True)
 def own_signals():
-    """cli._drive installs the run's signal handlers (rollout.interrupts): pytest's come back after."""
+    """rollout.commands.run.drive installs the run's signal handlers (rollout.run.interrupts): pytest's come back after."""
     from ray._private import worker
 
-    from rollout.interrupts import INTERRUPTS, SIGNALS
+    from rollout.run.interrupts import INTERRUPTS, SIGNALS
 
     saved = {sig: signal.getsignal(sig) for sig in SIGNALS}
     hooks = list(worker._post_init_hooks)
@@ -122,7 +122,7 @@ def final_line(out: str) -> str:
 def test_a_full_disk_before_the_decision_commit_is_an_error_in_every_record(
         tmp_path, small_disk, webhook, monkeypatch, capsys):
     url, bodies = webhook
-    code = cli._drive(controller(tmp_path, small_disk, url, monkeypatch, Promotes(), FillsTheDisk(small_disk)))
+    code = run_command.drive(controller(tmp_path, small_disk, url, monkeypatch, Promotes(), FillsTheDisk(small_disk)))
     out = capsys.readouterr()
     assert code == 1
     assert final_line(out.out) == f"mtp-canary: exit_code=1 decision=error run_dir={small_disk / 'r1'}"
@@ -149,7 +149,7 @@ def test_a_full_disk_after_the_decision_commit_keeps_the_decision_everywhere(
         fill(small_disk)
 
     monkeypatch.setattr(controller_module.RunStore, "finish_run", finish_then_full)
-    code = cli._drive(controller(tmp_path, small_disk, url, monkeypatch, Promotes()))
+    code = run_command.drive(controller(tmp_path, small_disk, url, monkeypatch, Promotes()))
     out = capsys.readouterr()
     assert code == 0
     assert final_line(out.out) == f"mtp-canary: exit_code=0 decision=promote run_dir={small_disk / 'r1'}"
@@ -171,6 +171,6 @@ def test_a_pipeline_copy_that_fails_leaves_the_file_it_replaces_whole(tmp_path, 
     out = small_disk / "decision.json"
     out.write_text('{"decision": "promote"}')  # the pipeline's copy from an earlier run
     fill(small_disk)
-    assert cli._copy_out(run_dir, {"decision.json": out}) is False
+    assert run_command.copy_out(run_dir, {"decision.json": out}) is False
     assert json.loads(out.read_text()) == {"decision": "promote"}  # whole, never a truncated half
     assert sorted(p.name for p in small_disk.iterdir()) == ["ballast", "decision.json"]  # no temporary file

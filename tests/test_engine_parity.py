@@ -15,7 +15,8 @@ import pytest
 import yaml
 
 from cluster.engine_spec import REDACTED, EngineSpec
-from rollout import cli
+from rollout.commands import cli
+from rollout.commands import run as run_command
 from rollout.config import ConfigError, TinyModelOptions, parse_config
 from rollout.engine_parity import (
     EngineDifference,
@@ -258,7 +259,7 @@ def test_many_differences_are_named_on_one_line_that_still_says_what_is_under_te
 
 def test_the_cli_refuses_a_second_engine_change_and_runs_it_once_declared(tmp_path, capsys, monkeypatch):
     started = []
-    monkeypatch.setattr(cli, "_start_run", lambda config, args: started.append(config) or 0)
+    monkeypatch.setattr(run_command, "start_run", lambda config, args: started.append(config) or 0)
     data = canary_with(local_cpu(), extra_args=["--no-enable-prefix-caching"])
     path = tmp_path / "c.yaml"
     path.write_text(yaml.safe_dump(data))
@@ -338,7 +339,7 @@ def test_a_replica_reads_its_own_launch_s_lines_and_preflight_records_them_per_a
 
     from cluster.replica import VLLMReplicaServer
     from rollout.engine_parity import SERVER_LOG_NEEDLES
-    from rollout.phases.preflight import Preflight
+    from rollout.run.phases.preflight import Preflight
 
     replica = VLLMReplicaServer("canary-0", "canary", engine(), str(tmp_path))
     earlier = BANNER.replace("0.32.0", "0.31.0") + "\n" + ARGS.replace("'port': 53931", "'port': 1") + "\n"

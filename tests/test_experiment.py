@@ -24,9 +24,9 @@ from loadtests.swarm import free_port
 from rollout.config import ExperimentConfig
 from rollout.judge.config import SloConfig
 from rollout.judge.verdicts import Verdict
-from rollout.phases.experiment_loop import LookPlan, duty_cycle
-from rollout.run_context import InfrastructureError
-from rollout.store import RunStore
+from rollout.run.phases.experiment_loop import LookPlan, duty_cycle
+from rollout.run.context import InfrastructureError
+from rollout.run.store import RunStore
 from tests.experiment_harness import GATES, once_the_load_flows, routed, run_experiment
 
 
@@ -216,9 +216,9 @@ def test_the_web_ui_stays_at_one_url_from_the_first_look_to_the_last(local_ray, 
 
 def test_a_capped_experiment_is_inconclusive_and_its_reason_has_the_counts(tmp_path):
     from rollout.config import load_config
-    from rollout.controller import Controller
+    from rollout.run.controller import Controller
     from rollout.judge.verdicts import Decision, GateResult
-    from rollout.phases.decide import decide_now
+    from rollout.run.phases.decide import decide_now
 
     ctx = Controller(load_config("configs/local-cpu.yaml"), runs_dir=tmp_path, run_id="capped").ctx
     ctx.experiment_capped = "experiment.max_duration_s (240 s) reached after 2 look(s): baseline 61, canary 60"

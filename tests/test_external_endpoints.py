@@ -21,7 +21,7 @@ from cluster.external_replica import ExternalReplicaServer
 from cluster.fleet import ArmSpec, Fleet, FleetStartError
 from cluster.replica import ReplicaState
 from rollout.config import ConfigError, WeightHookConfig, parse_config
-from rollout.weight_hook import WeightHookError, call_weight_hook, hook_argv
+from rollout.run.weight_hook import WeightHookError, call_weight_hook, hook_argv
 
 
 def closed_port_url() -> str:
@@ -156,7 +156,7 @@ def test_a_hook_that_fails_or_overruns_or_cannot_start_raises_naming_the_weight(
 
 
 def test_a_hook_argv_never_reaches_a_stored_config():
-    from rollout.redact import REDACTED, redact_config
+    from rollout.record.redact import REDACTED, redact_config
 
     data = external_config()
     data["weight_hook"] = {"command": ["curl", "-H", "Authorization: Bearer sk-hook-0123456789", "https://gw/{weight}"]}
@@ -168,9 +168,9 @@ def test_a_hook_argv_never_reaches_a_stored_config():
 
 # -- the progressive steps without a hook ------------------------------------------------------
 def test_steps_over_servers_that_run_elsewhere_are_advisory_without_a_hook_and_the_record_says_so():
-    from rollout.phases.progressive import advisory_reason
-    from rollout.report import markdown_report
-    from rollout.result import ProgressiveSummary
+    from rollout.run.phases.progressive import advisory_reason
+    from rollout.record.markdown import markdown_report
+    from rollout.record.result import ProgressiveSummary
 
     reason = advisory_reason(parse_config(external_config(canary={"endpoints": [], "engine": {"model": "m"}})))
     assert reason.startswith("advisory: baseline run elsewhere (endpoints) and no weight_hook")

@@ -1,5 +1,5 @@
 """No path to a PROMOTE on missing, failed or lopsided data (rollout/judge: verdicts, accuracy, acceptance,
-sample_ratio, experiment_looks; rollout/phases/decide.py).
+sample_ratio, experiment_looks; rollout/run/phases/decide.py).
 
 Each test names the rule it guards; the statistical ones show their claim by seeded simulation.
 """
@@ -23,7 +23,7 @@ from rollout.judge.experiment_looks import LookPlan, judge_look
 from rollout.judge.names import GATE_NAMES, SAMPLE_RATIO_NAME
 from rollout.judge.sample_ratio import judge_sample_ratio
 from rollout.judge.verdicts import Decision, GateResult, Verdict, decide, is_final, missing_gates
-from rollout.phases.decide import decide_now
+from rollout.run.phases.decide import decide_now
 
 REPO = Path(__file__).resolve().parents[1]
 

@@ -46,13 +46,13 @@ from rollout.evals import EvalSpec, evaluate_batch, load_items, outputs_differ
 from rollout.judge.config import GuardConfig
 from rollout.judge.request_acceptance import attribute, spec_decode_of_requests, unseen_steps_bound
 from rollout.judge.verdicts import Decision
-from rollout.phases.accuracy import Accuracy
-from rollout.phases.experiment import Experiment
-from rollout.phases.progressive_steps import PHASE, run_progressive
-from rollout.result import RunResult
-from rollout.resume import ResumePoint
-from rollout.run_context import InfrastructureError, RunContext
-from rollout.store import RunStore
+from rollout.run.phases.accuracy import Accuracy
+from rollout.run.phases.experiment import Experiment
+from rollout.run.phases.progressive_steps import PHASE, run_progressive
+from rollout.record.result import RunResult
+from rollout.run.resume import ResumePoint
+from rollout.run.context import InfrastructureError, RunContext
+from rollout.run.store import RunStore
 from tests.conftest import REPO, wait_gone, wait_no_server_processes
 from tests.test_cli_run import assert_goodput_per_arm, decision_of, run_cli
 from tests.progressive_harness import Harness, assert_split_within_a_block, locust_processes

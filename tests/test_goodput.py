@@ -1,7 +1,7 @@
 """The goodput gate (rollout/judge/goodput.py) and where it is wired: gates.slo, experiment looks,
 decision.json's per-arm goodput, report.md, `mtp-canary judge`, the calibration's boundary scenario.
 
-No vLLM: records are made here (or simulated by rollout.judge.scenarios) with the effect known.
+No vLLM: records are made here (or simulated by rollout.calibration.scenarios) with the effect known.
 """
 
 from __future__ import annotations
@@ -16,15 +16,15 @@ import pytest
 import yaml
 
 from loadtests.records import RequestRecord
-from rollout import rejudge
+from rollout.commands import judge as judge_command
 from rollout.config import ConfigError, load_config, parse_config
-from rollout.judge import calibrate
-from rollout.judge.calibration_trial import look_ends, run_experiment_looks
+from rollout.calibration import calibrate
+from rollout.calibration.trial import look_ends, run_experiment_looks
 from rollout.judge.config import GatesConfig, SloConfig
 from rollout.judge.experiment_looks import LookPlan, judge_look, requests_by_arm
 from rollout.judge.goodput import arm_goodput, goodput_by_arm, goodput_samples, judge_goodput, meets_slo
 from rollout.judge.names import GATE_NAMES, GATE_PHASES, GOODPUT_NAME
-from rollout.judge.scenarios import (
+from rollout.calibration.scenarios import (
     LatencyWorld,
     StreamShape,
     TrialSpec,
@@ -34,8 +34,8 @@ from rollout.judge.scenarios import (
     simulate_records,
 )
 from rollout.judge.verdicts import Decision, Verdict, decide, is_enabled, missing_gates
-from rollout.report import markdown_report
-from rollout.result import ExperimentSummary, LookSummary, RunResult, decision_document
+from rollout.record.markdown import markdown_report
+from rollout.record.result import ExperimentSummary, LookSummary, RunResult, decision_document
 
 REPO = Path(__file__).resolve().parents[1]
 SLO = SloConfig(ttft_s=0.3, tpot_s=0.05, e2e_s=2.0)
@@ -245,7 +245,7 @@ def test_without_an_slo_the_gate_is_absent_and_with_one_it_is_judged_and_needed(
     plan = LookPlan(requests_per_look=40, requests_per_arm=80, min_interval_s=0, min_looks=1, max_duration_s=1e9)
     plain = judge_look(records, looks_of, [0.5, 1.0], GatesConfig(), plan, None, False)
     assert GOODPUT_NAME not in {g.name for g in plain}
-    # disabled: not judged, and not needed for a promote (the per-arm goodput is still reported: rollout.result)
+    # disabled: not judged, and not needed for a promote (the per-arm goodput is still reported: rollout.record.result)
     off = CFG.model_copy(update={"disabled": [GOODPUT_NAME]})
     assert GOODPUT_NAME not in {g.name for g in judge_look(records, looks_of, [0.5, 1.0], off, plan, None, False)}
     assert GOODPUT_NAME not in missing_gates([], off)
@@ -262,7 +262,7 @@ def test_without_an_slo_the_gate_is_absent_and_with_one_it_is_judged_and_needed(
 # -- decision.json, report.md, rejudge -----------------------------------------------------------
 def simulated_run(tmp_path: Path):
     """A run directory as the controller writes it: simulated records judged look by look by the controller's
-    functions, decision.json from the typed result (rollout.result), records.jsonl in arrival order."""
+    functions, decision.json from the typed result (rollout.record.result), records.jsonl in arrival order."""
     data = yaml.safe_load((REPO / "configs" / "local-cpu.yaml").read_text())
     data["gates"].update(slo={"ttft_s": 0.3, "tpot_s": 0.05}, goodput_max_decrease=0.05,
                          enabled=["tpot_p50_improvement", "sample_ratio", GOODPUT_NAME])
@@ -325,14 +325,14 @@ def test_decision_json_holds_each_arms_goodput_and_the_report_a_line_per_arm(tmp
 
 def test_mtp_canary_judge_reproduces_the_goodput_gate_from_the_records(tmp_path, capsys):
     doc, run = simulated_run(tmp_path)
-    assert rejudge.main([str(tmp_path), "--json"]) == {"promote": 0, "rollback": 3, "inconclusive": 4}[doc["decision"]]
+    assert judge_command.main([str(tmp_path), "--json"]) == {"promote": 0, "rollback": 3, "inconclusive": 4}[doc["decision"]]
     out = json.loads(capsys.readouterr().out)
     mine = {g["name"]: g for g in out["gates"]}[GOODPUT_NAME]
     stored = {g["name"]: g for g in doc["gates"]}[GOODPUT_NAME]
     assert mine == stored
     assert [look["verdicts"] for look in out["looks"]] == [look["verdicts"] for look in doc["experiment"]["looks"]]
     assert out["goodput"] == doc["experiment"]["goodput"]
-    assert rejudge.main([str(tmp_path)]) in (0, 3, 4)
+    assert judge_command.main([str(tmp_path)]) in (0, 3, 4)
     assert "goodput (judged requests meeting the SLO): baseline" in capsys.readouterr().out
 
 

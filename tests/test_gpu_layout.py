@@ -12,7 +12,7 @@ import yaml
 from cluster.engine_spec import EngineSpec
 from cluster.gpu_memory import GpuType, fit_failures, gpu_types, model_need
 from cluster.placement import default_cpus_per_replica, replica_bundle
-from rollout import plan_command
+from rollout.commands import plan as plan_command
 from rollout.config import ConfigError, load_config
 from tests.conftest import REPO
 

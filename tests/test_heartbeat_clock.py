@@ -1,7 +1,7 @@
 """Liveness of a controller on another host when the wall clocks disagree: a forward step of the
 reader's clock (or a skew between hosts) past `lease_s` must not make a live controller look dead,
 or `resume` starts a second controller on its fleet. The reader's clock is injected
-(rollout.store.wall_clock), never the machine's; the controller's beats come from a thread.
+(rollout.run.store.wall_clock), never the machine's; the controller's beats come from a thread.
 """
 
 from __future__ import annotations
@@ -11,10 +11,10 @@ import time
 
 import pytest
 
-from rollout import store as store_module
-from rollout.cli import main
+from rollout.run import store as store_module
+from rollout.commands.cli import main
 from rollout.config import load_config
-from rollout.store import RunStore, run_controller_alive
+from rollout.run.store import RunStore, run_controller_alive
 from tests.conftest import REPO
 
 AWAY = "other-host.invalid:77"

@@ -7,7 +7,8 @@ from __future__ import annotations
 
 import pytest
 
-from rollout.cli import main, runs_dir_error
+from rollout.commands.arguments import runs_dir_error
+from rollout.commands.cli import main
 from tests.conftest import REPO
 
 CONFIG = str(REPO / "configs" / "local-cpu.yaml")
@@ -49,7 +50,7 @@ def test_a_runs_dir_on_a_network_filesystem_is_refused_before_anything_starts(co
     shared.mkdir()
     # the machine's mount table with the runs directory's mount on a network filesystem (the longest match wins)
     mounts.write_text(f"/dev/vda / ext4 rw 0 0\nserver:/export {shared} {kind} rw 0 0\n")
-    monkeypatch.setattr("rollout.cli.MOUNTS", str(mounts))
+    monkeypatch.setattr("rollout.commands.arguments.MOUNTS", str(mounts))
     monkeypatch.delenv("RAY_JOB_ID", raising=False)
     assert main([*command, "--runs-dir", str(shared / "runs")]) == 2
     err = capsys.readouterr().err.strip()

@@ -6,7 +6,7 @@ import json
 import xml.etree.ElementTree as ET
 from pathlib import Path
 
-from rollout.junit_report import junit_xml, write_junit
+from rollout.record.junit import junit_xml, write_junit
 
 RUNS = Path(__file__).parent / "data" / "recorded_runs"
 
@@ -80,7 +80,7 @@ def test_hostile_text_is_escaped_and_parses(tmp_path):
 def test_pipeline_artifacts_writes_both_files(tmp_path):
     from prometheus_client.parser import text_string_to_metric_families
 
-    from rollout.pipeline_artifacts import write_pipeline_artifacts
+    from rollout.record.pipeline_artifacts import write_pipeline_artifacts
 
     paths = write_pipeline_artifacts(_doc("broken"), tmp_path)
     assert paths == {"junit": tmp_path / "junit.xml", "metrics": tmp_path / "metrics.prom"}

@@ -12,7 +12,7 @@ import time
 import pytest
 
 from cluster.metrics import KvCacheStats, MetricsSampler, kv_stats, parse_metrics
-from rollout.report import _kv_cache
+from rollout.record.markdown import _kv_cache
 from tests.conftest import REPO
 
 DATA = REPO / "tests" / "data" / "vllm_metrics"

@@ -2,6 +2,8 @@
 
 - `rollout` may import `cluster`, `loadtests` and `tinymodel`; those never import `rollout`;
 - `rollout/judge` imports nothing else of `rollout`, nor Ray, HTTP clients or SQLite;
+- rollout's wings import only downward: commands -> run, calibration -> record -> analysis ->
+  the config modules -> judge (no module outside commands/ imports a command);
 - no import cycle between the project's modules (type-only imports count too);
 - no class in `rollout/` over 350 lines, no function over 80;
 - every module says what it owns in a docstring;
@@ -70,6 +72,42 @@ def test_the_judge_is_pure():
             assert not others, f"{name} imports {others}"
             io = sorted(n for n in names if n.split(".")[0] in NOT_IN_THE_JUDGE)
             assert not io, f"{name} imports {io}"
+
+
+# rollout's wings, low to high: a module imports only its own wing and the ones below it
+# (calibration and run stand side by side; neither imports the other).
+WING_RANK = {"judge": 0, "config": 1, "analysis": 2, "record": 3, "run": 4, "calibration": 4, "commands": 5}
+
+
+def wing_of(name: str) -> str | None:
+    """The wing of a rollout module: its sub-package, or "config" for the top-level modules."""
+    parts = name.split(".")
+    if parts[0] != "rollout" or len(parts) < 2 or parts[1] == "__main__":
+        return None
+    return parts[1] if parts[1] in WING_RANK else "config"
+
+
+def arrows_up(graph: dict[str, set[str]]) -> list[str]:
+    bad = []
+    for name, deps in graph.items():
+        here = wing_of(name)
+        for dep in deps:
+            there = wing_of(dep)
+            if here and there and here != there and WING_RANK[there] >= WING_RANK[here]:
+                bad.append(f"{name} ({here}) imports {dep} ({there})")
+    return sorted(bad)
+
+
+def test_the_wings_of_rollout_import_only_downward():
+    """No import from a command into the run, from the run into calibration, from the record into the run..."""
+    bad = arrows_up(project_imports())
+    assert not bad, bad
+
+
+def test_the_wing_rule_sees_an_arrow_up():
+    assert arrows_up({"rollout.run.controller": {"rollout.commands.plan"}}) == [
+        "rollout.run.controller (run) imports rollout.commands.plan (commands)"]
+    assert arrows_up({"rollout.record.html": {"rollout.analysis.replay", "rollout.config"}}) == []
 
 
 def test_no_import_cycle():

@@ -22,12 +22,12 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from benchmarks.stream_target import TargetProcess
 from cluster.router import Router, RouterClient
-from rollout import controller as controller_module
+from rollout.run import controller as controller_module
 from rollout.config import ConfigError, load_config, parse_config
-from rollout.controller import Controller
-from rollout.live_metrics import gate_families, router_families
-from rollout.phases.decide import Decide, Finish
-from rollout.phases.experiment import Experiment
+from rollout.run.controller import Controller
+from rollout.run.live_metrics import gate_families, router_families
+from rollout.run.phases.decide import Decide, Finish
+from rollout.run.phases.experiment import Experiment
 from tests.conftest import REPO
 
 URL_LINE = re.compile(r"metrics: live Prometheus metrics at (http://\S+/metrics)")
@@ -198,8 +198,8 @@ def test_label_values_from_the_run_cannot_inject_series():
 def test_a_scrape_only_reads_the_store_and_an_interrupted_run_does_not_linger(tmp_path):
     import sqlite3
 
-    from rollout.live_metrics import LiveMetrics
-    from rollout.store import RunStore
+    from rollout.run.live_metrics import LiveMetrics
+    from rollout.run.store import RunStore
 
     missing = tmp_path / "not-yet" / "history.db"
     live = LiveMetrics(missing, "r1", router_state=lambda: None, linger_s=60)
@@ -224,10 +224,10 @@ def test_the_runs_row_never_shows_a_new_weight_under_the_phase_before_it(tmp_pat
     """The finish's 100% and the phase it belongs to land in one write (a scrape of the live endpoint
     saw phase=experiment with canary_weight 100 when the weight was written first)."""
     from rollout.judge.verdicts import Decision
-    from rollout.result import RunResult
-    from rollout.resume import ResumePoint
-    from rollout.run_context import RunContext
-    from rollout.store import RunStore
+    from rollout.record.result import RunResult
+    from rollout.run.resume import ResumePoint
+    from rollout.run.context import RunContext
+    from rollout.run.store import RunStore
 
     cfg = config(tmp_path)
     store = RunStore(tmp_path / "history.db")

@@ -1,4 +1,4 @@
-"""The live metrics endpoint beyond loopback needs a bearer token (rollout.live_metrics).
+"""The live metrics endpoint beyond loopback needs a bearer token (rollout.run.live_metrics).
 
 Its series tell anyone who reaches the port the run's gates and traffic as they are judged:
 bound to 0.0.0.0 without $MTP_CANARY_METRICS_TOKEN it does not start (the controller's
@@ -10,7 +10,7 @@ from __future__ import annotations
 import pytest
 import requests
 
-from rollout.live_metrics import METRICS_TOKEN_ENV, LiveMetrics
+from rollout.run.live_metrics import METRICS_TOKEN_ENV, LiveMetrics
 
 
 def test_beyond_loopback_without_a_token_it_does_not_start(tmp_path, monkeypatch):

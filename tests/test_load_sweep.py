@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from loadtests.records import RequestRecord
-from rollout.load_sweep import summarize_sweep, sweep_table
+from rollout.analysis.load_sweep import summarize_sweep, sweep_table
 
 
 def record(i: int, arm: str, level: float, tpot_s: float, tokens: int = 33, chunks: int = 9, ok: bool = True,

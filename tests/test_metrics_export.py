@@ -7,7 +7,7 @@ from pathlib import Path
 
 from prometheus_client.parser import text_string_to_metric_families
 
-from rollout.metrics_export import write_metrics, metrics_text
+from rollout.record.prometheus import write_metrics, metrics_text
 
 RUNS = Path(__file__).parent / "data" / "recorded_runs"
 

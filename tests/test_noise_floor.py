@@ -133,7 +133,7 @@ def test_the_twin_is_an_arm_of_the_looks_and_of_the_sample_ratio():
 
 
 def test_the_floor_serialises_into_the_experiment_summary():
-    from rollout.result import ExperimentSummary
+    from rollout.record.result import ExperimentSummary
 
     recs, looks_of = records(6, {BASELINE: 1.0, CANARY: 0.8, TWIN_ARM: 0.8})
     _, floor = judge_all(recs, looks_of, twin=True)

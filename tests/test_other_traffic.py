@@ -3,7 +3,7 @@
 
 Someone on the cluster network who loads the baseline makes the canary look faster; the
 experiment cannot judge arms that served someone else. The check reads the replicas' /metrics
-and the router's per-replica counts before and after the phase (rollout.phases.experiment).
+and the router's per-replica counts before and after the phase (rollout.run.phases.experiment).
 """
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from types import SimpleNamespace
 from cluster.metrics import MetricsSnapshot, requests_not_routed
 from rollout.config import load_config
 from rollout.judge.verdicts import Decision, Verdict, decide
-from rollout.phases.experiment import OTHER_TRAFFIC_CHECK, _check_other_traffic, _request_counts
+from rollout.run.phases.experiment import OTHER_TRAFFIC_CHECK, _check_other_traffic, _request_counts
 from tests.conftest import REPO
 
 

@@ -13,7 +13,8 @@ import ray
 import yaml
 from ray.cluster_utils import Cluster
 
-from rollout import plan_command
+from rollout.run import node_check
+from rollout.commands import plan as plan_command
 from tests.conftest import REPO
 
 MODULES = ("ray", "locust", "rollout", "cluster")
@@ -103,10 +104,10 @@ def test_run_checks_the_nodes_first_and_fails_naming_the_one_without_locust(two_
     """`run` on a multi-node cluster: the node environment check (ray.check_nodes: auto) fails the
     run in seconds, exit 1, naming the node, before any replica is placed."""
     from rollout.config import load_config
-    from rollout.controller import Controller
+    from rollout.run.controller import Controller
 
     _, gpu_node = two_nodes
-    monkeypatch.setattr(plan_command, "RUN_MODULES", MODULES)  # vllm aside: every node here has the same one
+    monkeypatch.setattr(node_check, "RUN_MODULES", MODULES)  # vllm aside: every node here has the same one
     said: list[str] = []
     result = Controller(load_config(gpu_config(tmp_path)), runs_dir=tmp_path / "runs", run_id="nodes",
                         progress=said.append).run()

@@ -18,7 +18,8 @@ import yaml
 from ray.cluster_utils import Cluster
 
 from cluster.staging import MARKER, model_dir
-from rollout import plan_command
+from rollout.run import node_check
+from rollout.commands import plan as plan_command
 from tests.conftest import REPO
 
 CONFIG = REPO / "configs" / "mimo-v2.5-mtp.yaml"
@@ -106,7 +107,7 @@ def test_run_refuses_the_layout_before_it_reserves_a_gpu(gpu_cluster, tmp_path):
         pytest.skip("the refusal is on 80 GB GPUs")
     cfg = load_config(CONFIG)
     arms = [ArmSpec(name=name, engine=arm.engine, replicas=arm.replicas, cpus_per_replica=arm.cpus_per_replica)
-            for name, arm in plan_command._launched_arms(cfg)]
+            for name, arm in node_check.launched_arms(cfg)]
     fleet = Fleet(arms=arms, log_dir=str(tmp_path / "logs"), placement_timeout_s=5)
     with pytest.raises(FleetStartError, match="GPU memory: baseline: tensor_parallel_size 4"):
         fleet.create_actors()

@@ -9,7 +9,7 @@ import ray
 import yaml
 from ray.cluster_utils import Cluster
 
-from rollout import plan_command
+from rollout.commands import plan as plan_command
 
 
 @pytest.fixture(scope="module")

@@ -144,7 +144,7 @@ def test_the_acceptance_floor_passes_its_detectable_length_as_often_as_claimed()
 
 # -- the plan as the run reads it -----------------------------------------------------------------
 def test_the_gpu_config_is_warned_that_its_accuracy_margin_is_below_what_it_can_decide():
-    from rollout.plan_power import power_plan
+    from rollout.run.plan_power import power_plan
 
     cfg = load_config(REPO / "configs" / "mimo-v2.5-mtp.yaml")
     plan = power_plan(cfg)
@@ -175,9 +175,9 @@ def test_plan_and_the_run_say_what_the_plan_can_decide(tmp_path, capsys, monkeyp
     prepare phase says the same lines first and keeps them for decision.json's detectable_effect."""
     from types import SimpleNamespace
 
-    from rollout import plan_command
-    from rollout.phases.setup import Prepare
-    from rollout.result import RunResult, decision_document
+    from rollout.commands import plan as plan_command
+    from rollout.run.phases.setup import Prepare
+    from rollout.record.result import RunResult, decision_document
 
     monkeypatch.setattr("cluster.ray_cluster.connect", lambda address: "ray: stub")
     monkeypatch.setattr(plan_command, "make_plan", lambda cfg, modules, placement_wait_s: plan_command.Plan(
@@ -204,8 +204,8 @@ def test_plan_and_the_run_say_what_the_plan_can_decide(tmp_path, capsys, monkeyp
 
 
 def test_the_reports_say_what_the_plan_could_decide_and_the_attempts(tmp_path):
-    from rollout.report import markdown_report
-    from rollout.report_html import html_report
+    from rollout.record.markdown import markdown_report
+    from rollout.record.html import html_report
 
     effect = power.DetectableEffect(gate="accuracy_noninferiority", metric="accuracy_diff", threshold=0.01, sample=1319,
                                     passed_at=None, failed_at=0.027, power=0.8, decidable=False, assumptions="a",

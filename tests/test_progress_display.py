@@ -11,8 +11,8 @@ from pathlib import Path
 
 from rich.console import Console
 
-from rollout.progress_display import PlainProgress, TerminalProgress, progress_for, wants_bars
-from rollout.run_context import RunContext
+from rollout.run.progress_display import PlainProgress, TerminalProgress, progress_for, wants_bars
+from rollout.run.context import RunContext
 
 REPO = Path(__file__).resolve().parent.parent
 
@@ -95,8 +95,8 @@ def test_the_run_context_ticks_only_a_display_that_draws():
 def test_the_cli_draws_bars_on_a_terminal_and_lines_in_a_pipe():
     """The same command, its stdout once a pseudo-terminal and once a pipe."""
     script = (
-        "from rollout.cli import _progress_display\n"
-        "d = _progress_display()\n"
+        "from rollout.commands.run import progress_display\n"
+        "d = progress_display()\n"
         "d('[00:00:00] fleet: starting 2 replica(s)')\n"
         "d.advance('replicas ready', 2, 2)\n"
         "d.close()\n"

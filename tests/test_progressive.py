@@ -24,8 +24,8 @@ from loadtests.records import read_records
 from rollout.config import ProgressiveConfig, RolloutStep
 from rollout.judge.config import GuardConfig
 from rollout.judge.verdicts import Decision
-from rollout.phases.progressive_steps import PHASE, run_progressive
-from rollout.store import RunStore
+from rollout.run.phases.progressive_steps import PHASE, run_progressive
+from rollout.run.store import RunStore
 from tests.conftest import REPO, wait_gone
 from tests.progressive_harness import Harness, assert_split_follows, locust_processes
 
@@ -311,7 +311,7 @@ class SteppedBackClock:
 
 
 def test_a_wall_clock_stepped_back_neither_holds_a_window_open_nor_a_pause(tmp_path, router, targets, monkeypatch):
-    from rollout.phases import progressive_steps, progressive_windows
+    from rollout.run.phases import progressive_steps, progressive_windows
 
     clock = SteppedBackClock(after_s=3.0)
     monkeypatch.setattr(progressive_windows, "time", clock)

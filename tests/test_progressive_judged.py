@@ -1,7 +1,7 @@
 """The progressive phase's verdict in the run: the steps may turn a judged PROMOTE into ROLLBACK,
 never a run that judged nothing into PROMOTE (guards only raise alarms; they compare nothing).
 
-The steps themselves (rollout.phases.progressive_steps, Ray and Locust) are replaced by their
+The steps themselves (rollout.run.phases.progressive_steps, Ray and Locust) are replaced by their
 outcome: what is under test is what the phase does with it."""
 
 from __future__ import annotations
@@ -13,14 +13,14 @@ import yaml
 
 from rollout.config import parse_config
 from rollout.judge.verdicts import Decision, GateResult, Verdict
-from rollout.phases import progressive
-from rollout.phases.decide import Decide
-from rollout.phases.progressive import Progressive
-from rollout.phases.progressive_context import ProgressiveOutcome
-from rollout.result import RunResult
-from rollout.resume import ResumePoint
-from rollout.run_context import RunContext
-from rollout.store import RunStore
+from rollout.run.phases import progressive
+from rollout.run.phases.decide import Decide
+from rollout.run.phases.progressive import Progressive
+from rollout.run.phases.progressive_context import ProgressiveOutcome
+from rollout.record.result import RunResult
+from rollout.run.resume import ResumePoint
+from rollout.run.context import RunContext
+from rollout.run.store import RunStore
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -98,8 +98,8 @@ def test_a_judged_promote_stands_only_if_the_steps_hold(tmp_path, monkeypatch, s
 
 def test_a_resumed_run_that_judged_nothing_does_not_promote_on_its_stored_steps(tmp_path, monkeypatch):
     """The verdict an earlier attempt stored is applied by the same rule."""
-    from rollout.resume import ProgressiveVerdict
-    from rollout.result import ProgressiveSummary
+    from rollout.run.resume import ProgressiveVerdict
+    from rollout.record.result import ProgressiveSummary
 
     ctx, _ = _context(tmp_path, judged=False)
     Decide().run(ctx)

@@ -1,4 +1,4 @@
-"""`mtp-canary judge` (rollout/rejudge.py): re-judging request records with the controller's look logic.
+"""`mtp-canary judge` (rollout/commands/judge.py): re-judging request records with the controller's look logic.
 
 tests/data/rejudge/promote is a real run (configs/local-cpu.yaml at a CPU quota of 0.5): its
 records in the run's order (only the fields the judge reads) and its decision.json cut to what
@@ -15,14 +15,15 @@ import pytest
 import yaml
 
 from loadtests.records import RequestRecord
-from rollout import cli, rejudge
+from rollout.commands import cli, judge as judge_command
+from rollout.analysis import replay
 
 REPO = Path(__file__).resolve().parents[1]
 REAL_RUN = REPO / "tests" / "data" / "rejudge" / "promote"
 
 
 def judged(capsys, *argv: str) -> tuple[int, list[dict]]:
-    code = rejudge.main([*argv, "--json"])
+    code = judge_command.main([*argv, "--json"])
     out = capsys.readouterr().out
     return code, [json.loads(line) for line in out.splitlines() if line.strip()]
 
@@ -158,7 +159,7 @@ def test_records_with_their_own_acceptance_are_judged_on_it_look_by_look(tmp_pat
 def test_the_cli_routes_judge_and_prints_a_table(capsys):
     code = cli.main(["judge", str(REAL_RUN)])
     out = capsys.readouterr().out
-    assert code == rejudge.main([str(REAL_RUN)]) and code in (0, 3, 4)
+    assert code == judge_command.main([str(REAL_RUN)]) and code in (0, 3, 4)
     assert out.startswith(f"{REAL_RUN}: ") and "sample_ratio" in out and "acceptance_length_floor" in out
 
 
@@ -176,7 +177,7 @@ def test_bad_input_is_one_line_and_exit_2(tmp_path, capsys, content, expected):
     path = tmp_path / "records.jsonl"
     if content is not None:
         path.write_text(content)
-    assert rejudge.main([str(path)]) == 2
+    assert judge_command.main([str(path)]) == 2
     captured = capsys.readouterr()
     assert captured.out == ""
     lines = captured.err.strip().splitlines()
@@ -186,7 +187,7 @@ def test_bad_input_is_one_line_and_exit_2(tmp_path, capsys, content, expected):
 def test_a_run_directory_without_its_decision_is_bad_input(tmp_path, capsys):
     (tmp_path / "experiment").mkdir()
     (tmp_path / "experiment" / "records.jsonl").write_text("")
-    assert rejudge.main([str(tmp_path)]) == 2
+    assert judge_command.main([str(tmp_path)]) == 2
     err = capsys.readouterr().err.strip().splitlines()
     assert len(err) == 1 and "decision.json" in err[0]
 
@@ -271,10 +272,10 @@ def test_a_run_with_a_warm_up_is_replayed_with_it_and_another_warm_up_is_another
     looks = doc["experiment"]["looks"] = doc["experiment"]["looks"][:2]
     doc["experiment"]["warmup_requests_per_arm"] = 20
     (run / "decision.json").write_text(json.dumps(doc))
-    inp = rejudge.load_input(str(run), None)
+    inp = replay.load_input(str(run), None)
     assert inp.plan.warmup_requests_per_arm == 20 and inp.stored_counts == [dict(k["requests"]) for k in looks]
-    replay = rejudge.judge_input(inp).replay
-    assert replay.warmup_records >= 40 and replay.looks[0].requests == looks[0]["requests"]
+    replayed = replay.judge_input(inp).replay
+    assert replayed.warmup_records >= 40 and replayed.looks[0].requests == looks[0]["requests"]
     # a --config with no warm-up is another plan: looks by the boundary rule, and a note says so
     config = tmp_path / "no-warmup.yaml"
     data = yaml.safe_load((REPO / "configs" / "local-cpu.yaml").read_text())
@@ -282,7 +283,7 @@ def test_a_run_with_a_warm_up_is_replayed_with_it_and_another_warm_up_is_another
     config.write_text(yaml.safe_dump(data))
     from rollout.config import load_config
 
-    other = rejudge.load_input(str(run), load_config(config))
+    other = replay.load_input(str(run), load_config(config))
     assert other.plan.warmup_requests_per_arm == 0 and other.stored_counts is None
     assert any("look plan differs" in note for note in other.notes)
 
@@ -328,5 +329,5 @@ def test_a_run_without_prefix_counters_cannot_pass_the_prefix_cache_gate(tmp_pat
     doc = json.loads((run / "decision.json").read_text())
     doc["experiment"]["looks"][1]["prefix_cache"]["canary"] = "many"
     (run / "decision.json").write_text(json.dumps(doc))
-    assert rejudge.main([str(run)]) == 2
+    assert judge_command.main([str(run)]) == 2
     assert "experiment.looks[2].prefix_cache.canary: not [hits, queries]" in capsys.readouterr().err

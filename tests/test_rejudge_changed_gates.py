@@ -10,7 +10,7 @@ from pathlib import Path
 import numpy as np
 import yaml
 
-from rollout import rejudge
+from rollout.commands import judge as judge_command
 from rollout.config import load_config
 from rollout.judge.config import GatesConfig
 from tests.test_rejudge import REPO, judged, write_records
@@ -56,7 +56,7 @@ def test_a_promote_under_looser_gates_says_what_changed_and_does_not_exit_0(tmp_
     code, [out] = judged(capsys, str(directory), "--config", str(looser), "--accept-changed-gates")
     assert code == 0 and out["decision"] == "promote" and out["accepted_changed_gates"] is True
     # the table says it too
-    assert rejudge.main([str(directory), "--config", str(looser)]) == 4
+    assert judge_command.main([str(directory), "--config", str(looser)]) == 4
     text = capsys.readouterr().out
     assert "gates differ from the run's own: " in text and "--accept-changed-gates" in text
 

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from rollout.phases.replica_watch import ReplicaWatch
-from rollout.run_context import InfrastructureError
+from rollout.run.phases.replica_watch import ReplicaWatch
+from rollout.run.context import InfrastructureError
 
 
 def scripted(*answers: dict[str, bool]):

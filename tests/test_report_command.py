@@ -7,7 +7,7 @@ import shutil
 import subprocess
 import sys
 
-from rollout import report, report_html
+from rollout.record import html as report_html, markdown as report
 from tests.conftest import REPO
 
 RECORDED = REPO / "tests" / "data" / "recorded_runs"

@@ -1,4 +1,4 @@
-"""report.html (rollout.report_html): the recorded runs render, each section only where its data are,
+"""report.html (rollout.record.html): the recorded runs render, each section only where its data are,
 nothing is fetched at view time, user text is escaped, and the page shows in a real headless Chromium."""
 
 from __future__ import annotations
@@ -15,9 +15,9 @@ import yaml
 
 from loadtests.records import RequestRecord, write_records
 from rollout.config import parse_config
-from rollout.report import write_reports
-from rollout.report_html import expected_lengths, html_report, write_html_report
-from rollout.result import RunResult
+from rollout.record.markdown import write_reports
+from rollout.record.html import expected_lengths, html_report, write_html_report
+from rollout.record.result import RunResult
 from tests.conftest import REPO
 
 RECORDED = REPO / "tests" / "data" / "recorded_runs"

@@ -4,7 +4,7 @@ tests/data/recorded_runs/ holds the decision.json and report.md of six real runs
 replicas through the whole controller: promote, bad drafts, broken canary, abort during accuracy,
 SIGINT, and a kill -9 mid-progressive then resume), recorded before the phase-runner redesign
 (machine paths replaced). Every key, value and type of each document must survive the typed
-RunResult (rollout.result) unchanged, and the report must be the same text: the redesign changed
+RunResult (rollout.record.result) unchanged, and the report must be the same text: the redesign changed
 where the numbers are made, not what decision.json and report.md say.
 """
 
@@ -20,12 +20,12 @@ import yaml
 from cluster.metrics import KvCacheStats
 from cluster.replica_environment import ReplicaEnvironment
 from rollout.config import parse_config
-from rollout.crossover import LevelResult, crossing
-from rollout.depth_advice import DepthArm, advise_depth
+from rollout.analysis.crossover import LevelResult, crossing
+from rollout.analysis.depth_advice import DepthArm, advise_depth
 from rollout.judge.config import GatesConfig
 from rollout.judge.verdicts import Decision, is_enabled
-from rollout.report import markdown_report
-from rollout.result import RunResult, SweepCrossover, UsageSummary, decision_document
+from rollout.record.markdown import markdown_report
+from rollout.record.result import RunResult, SweepCrossover, UsageSummary, decision_document
 from tests.conftest import REPO
 
 RECORDED = REPO / "tests" / "data" / "recorded_runs"

@@ -1,4 +1,4 @@
-"""`mtp-canary router` (rollout/router_command.py) as a subprocess in front of stream targets
+"""`mtp-canary router` (rollout/commands/router.py) as a subprocess in front of stream targets
 (benchmarks/stream_target.py) that already run: it routes, ejects a dead replica, caps bodies
 without buffering them, stops cleanly on SIGINT and SIGTERM, and refuses bad arguments in one
 line with exit code 2."""
@@ -27,11 +27,11 @@ LISTENING = re.compile(r"listening on (http://\S+)")
 
 
 class RouterProcess:
-    """`python -m rollout.router_command ARGS` until stopped; its URL once it listens."""
+    """`python -m rollout.commands.router ARGS` until stopped; its URL once it listens."""
 
     def __init__(self, *args: str, env: dict[str, str] | None = None) -> None:
         self.process = subprocess.Popen(
-            [PYTHON, "-m", "rollout.router_command", *args], cwd=REPO, stdout=subprocess.PIPE,
+            [PYTHON, "-m", "rollout.commands.router", *args], cwd=REPO, stdout=subprocess.PIPE,
             stderr=subprocess.PIPE, text=True, env={**os.environ, **(env or {})},
         )
         assert self.process.stdout is not None
@@ -173,7 +173,7 @@ def test_a_token_from_the_named_variable_is_required(target: TargetProcess) -> N
 )
 def test_bad_arguments_are_one_line_and_exit_2(args: list[str], complaint: str) -> None:
     env = {key: value for key, value in os.environ.items() if key != "MTP_TEST_NO_TOKEN"}
-    done = subprocess.run([PYTHON, "-m", "rollout.router_command", *args], cwd=REPO, capture_output=True, text=True,
+    done = subprocess.run([PYTHON, "-m", "rollout.commands.router", *args], cwd=REPO, capture_output=True, text=True,
                           timeout=60, env=env)
     assert done.returncode == 2, done
     lines = done.stderr.strip().splitlines()

@@ -67,7 +67,7 @@ def test_the_evals_send_the_token_they_are_given(routed):
 
 def test_the_run_makes_a_token_beyond_loopback_and_takes_the_operators_when_set(monkeypatch):
     from rollout.config import load_config
-    from rollout.phases.setup import router_token
+    from rollout.run.phases.setup import router_token
     from tests.conftest import REPO
 
     cfg = load_config(REPO / "configs" / "local-cpu.yaml")

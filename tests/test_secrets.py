@@ -14,11 +14,12 @@ import pytest
 import yaml
 
 from cluster.arms import BASELINE, CANARY
-from rollout import cli
+from rollout.commands import cli
+from rollout.commands import run as run_command
 from rollout.config import parse_config
-from rollout.redact import REDACTED, known_secrets, redact_config, redact_document, redact_engine, redact_url
-from rollout.report import markdown_report
-from rollout.result import RunResult, decision_document
+from rollout.record.redact import REDACTED, known_secrets, redact_config, redact_document, redact_engine, redact_url
+from rollout.record.markdown import markdown_report
+from rollout.record.result import RunResult, decision_document
 from tests.conftest import REPO
 from tests.test_controller import Promotes
 
@@ -44,7 +45,7 @@ def assert_no_secret(text: str) -> None:
 
 def prepared_result(tmp_path: Path, say) -> tuple[RunResult, dict]:
     """RunResult after the real Prepare phase (no tiny model: nothing is written or started)."""
-    from rollout.phases.setup import Prepare
+    from rollout.run.phases.setup import Prepare
 
     data = secret_config_data()
     for arm in ("baseline", "canary"):
@@ -53,7 +54,7 @@ def prepared_result(tmp_path: Path, say) -> tuple[RunResult, dict]:
     data["accuracy"]["path"] = "/data/golden.jsonl"  # not read by Prepare
     cfg = parse_config(data)
     result = RunResult(run_id="r1", run_dir=tmp_path / "r1", config=cfg)
-    from rollout.store import RunStore
+    from rollout.run.store import RunStore
 
     store = RunStore(tmp_path / "history.db")  # Prepare counts earlier attempts at the same comparison
     store.create_run("r1", cfg.name, "/models/real", cfg.model_dump(mode="json"))
@@ -124,7 +125,7 @@ def test_a_webhook_url_keeps_scheme_and_host_only(url, shown):
 
 
 def test_the_webhook_result_and_its_log_lines_hold_no_secret(caplog):
-    from rollout.webhook import post_decision
+    from rollout.record.webhook import post_decision
 
     url = f"http://127.0.0.1:9/services/{HOOK_TOKEN}?sig={HOOK_TOKEN}"  # port 9: refused at once
     with caplog.at_level(logging.WARNING, logger="mtp_canary.webhook"):
@@ -139,7 +140,7 @@ def test_a_bad_config_error_line_names_the_flag_not_the_secret(tmp_path, capsys,
     data["canary"]["engine"]["extra_args"] = ["--api-key", API_KEY, f"--hos={HF_TOKEN}"]
     bad = tmp_path / "bad.yaml"
     bad.write_text(yaml.safe_dump(data))
-    monkeypatch.setattr(cli, "_start_run", lambda *a: pytest.fail("accepted"))
+    monkeypatch.setattr(run_command, "start_run", lambda *a: pytest.fail("accepted"))
     assert cli.main(["run", str(bad), "--runs-dir", str(tmp_path / "runs")]) == 2
     err = capsys.readouterr().err
     assert "--hos" in err
@@ -157,7 +158,7 @@ def test_redaction_is_a_no_op_on_documents_without_secrets(run):
 
 # -- what the controller stores and writes ------------------------------------------------
 def secret_controller(tmp_path, monkeypatch, *phases):
-    from rollout import controller as controller_module
+    from rollout.run import controller as controller_module
 
     monkeypatch.setattr(controller_module, "PHASES", phases)
     return controller_module.Controller(parse_config(secret_config_data()), runs_dir=tmp_path, run_id="s1",
@@ -179,7 +180,7 @@ class FailsQuotingTheCommandLine:
         return True
 
     def run(self, ctx) -> None:
-        from rollout.run_context import InfrastructureError
+        from rollout.run.context import InfrastructureError
 
         raise InfrastructureError(f"replica canary-0 failed: python -m vllm... --api-key {API_KEY} (HF_TOKEN={HF_TOKEN})")
 
@@ -213,7 +214,7 @@ def test_an_error_that_quotes_a_secret_is_scrubbed_in_the_log_and_the_store(tmp_
 
 
 def test_a_run_with_secrets_resumes_only_with_its_config_file_given_again(tmp_path, monkeypatch, capsys):
-    from rollout.store import RunStore
+    from rollout.run.store import RunStore
 
     config_file = tmp_path / "secret.yaml"
     config_file.write_text(yaml.safe_dump(secret_config_data()))
@@ -221,7 +222,7 @@ def test_a_run_with_secrets_resumes_only_with_its_config_file_given_again(tmp_pa
     store.create_run("s2", "n", "m", redact_config(parse_config(secret_config_data()).model_dump(mode="json")))
     store.update_run("s2", controller="gone-host.invalid:1")
     started: list = []
-    monkeypatch.setattr(cli, "_drive", lambda controller, *_, **__: started.append(controller) or 0)
+    monkeypatch.setattr(run_command, "drive", lambda controller, *_, **__: started.append(controller) or 0)
     assert cli.main(["resume", "s2", "--runs-dir", str(tmp_path), "--force"]) == 2
     assert "give its config file again with --config FILE" in capsys.readouterr().err
     other = secret_config_data()

@@ -18,19 +18,19 @@ import time
 import pytest
 import ray
 
-from rollout import controller as controller_module
+from rollout.run import controller as controller_module
 from rollout.config import WeightHookConfig, load_config
-from rollout.controller import Controller
-from rollout.interrupts import INTERRUPTS, SIGNALS, Interrupted, Interrupts
-from rollout.run_context import InfrastructureError
-from rollout.store import RunStore
+from rollout.run.controller import Controller
+from rollout.run.interrupts import INTERRUPTS, SIGNALS, Interrupted, Interrupts
+from rollout.run.context import InfrastructureError
+from rollout.run.store import RunStore
 from tests.conftest import REPO
 from tests.faults.endpoint_run import HOOK
 
 
 @pytest.fixture
 def run_signals():
-    """The run's handlers (rollout.interrupts) in this process for one test, pytest's back after it.
+    """The run's handlers (rollout.run.interrupts) in this process for one test, pytest's back after it.
     Not INTERRUPTS.install(): that also hooks every later ray.init of the test session."""
     saved = {sig: signal.getsignal(sig) for sig in SIGNALS}
     INTERRUPTS.received = None
@@ -197,7 +197,7 @@ def test_a_hook_that_does_not_confirm_0_is_part_of_the_error(tmp_path, monkeypat
 def test_a_signal_ignored_when_the_run_started_stays_ignored():
     """`nohup mtp-canary run` (SIGHUP ignored) survives its terminal closing; SIGTERM still ends it."""
     code = ("import os, signal, time\n"
-            "from rollout.interrupts import INTERRUPTS, Interrupted\n"
+            "from rollout.run.interrupts import INTERRUPTS, Interrupted\n"
             "INTERRUPTS.install()\n"
             "os.kill(os.getpid(), signal.SIGHUP); time.sleep(0.2); print('survived SIGHUP', flush=True)\n"
             "try:\n"

@@ -204,7 +204,7 @@ def plan_config(cache: str) -> "RolloutConfig":
 
 
 def test_plan_says_per_node_whether_the_weights_are_cached(two_gpu_nodes, hub, cache):
-    from rollout import plan_command
+    from rollout.commands import plan as plan_command
 
     cfg = plan_config(cache)
     before = plan_command.make_plan(cfg, modules=("ray",))

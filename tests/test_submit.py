@@ -19,8 +19,9 @@ from pathlib import Path
 
 import pytest
 
-from rollout import submit
-from rollout.submit import Outcome, final_line, outcome_of, submit_entrypoint
+from rollout.record import log_line
+from rollout.commands import submit
+from rollout.commands.submit import Outcome, final_line, outcome_of, submit_entrypoint
 
 REPO = Path(__file__).resolve().parent.parent
 REJUDGE = "tests/data/rejudge/promote"
@@ -105,7 +106,7 @@ def test_final_line_and_outcome_rules():
 
 
 def test_entrypoint_is_a_run_the_cli_accepts(tmp_path):
-    from rollout import cli
+    from rollout.commands import cli
 
     argv = submit.run_entrypoint(REPO / "configs/examples/local-progressive.yaml", REPO, Path("/srv/runs"))
     assert argv[:3] == ["python", "-m", "rollout"]
@@ -125,13 +126,13 @@ def test_run_prints_the_line_submit_reads(capsys):
     import signal
     from types import SimpleNamespace
 
-    from rollout import cli
-    from rollout.result import Decision
+    from rollout.commands import run as run_command
+    from rollout.record.result import Decision
 
     result = SimpleNamespace(decision=Decision.INCONCLUSIVE, error=None, exit_code=4, run_dir=Path("/runs/r 1"))
     previous = signal.getsignal(signal.SIGTERM)
     try:
-        assert cli._drive(SimpleNamespace(run=lambda: result)) == 4
+        assert run_command.drive(SimpleNamespace(run=lambda: result)) == 4
     finally:
         signal.signal(signal.SIGTERM, previous)
     assert final_line(capsys.readouterr().out) == (4, "inconclusive", "/runs/r 1")
@@ -240,22 +241,22 @@ RECORDED = REPO / "tests/data/recorded_runs"
 def test_decision_travels_in_one_log_line_and_a_mangled_one_is_refused(tmp_path):
     import json
 
-    line = submit.decision_log_line(RECORDED / "bad")
-    assert line.startswith(submit.DECISION_PREFIX) and "\n" not in line
-    doc, why = submit.decision_from_log(f"noise\n{line}\nmtp-canary: exit_code=3 decision=rollback run_dir=/r/bad\n")
+    line = log_line.decision_log_line(RECORDED / "bad")
+    assert line.startswith(log_line.DECISION_PREFIX) and "\n" not in line
+    doc, why = log_line.decision_from_log(f"noise\n{line}\nmtp-canary: exit_code=3 decision=rollback run_dir=/r/bad\n")
     assert why == "" and doc == json.loads((RECORDED / "bad" / "decision.json").read_text())
     # a line cut short (a truncated log) or with one character changed: zlib's checksum or base64 refuses it
     for broken in (line[:-40], line[:-10] + ("A" if line[-10] != "A" else "B") + line[-9:]):
-        doc, why = submit.decision_from_log(broken)
+        doc, why = log_line.decision_from_log(broken)
         assert doc is None and "unreadable" in why
-    assert submit.decision_from_log("no line at all")[0] is None
-    missing = submit.decision_log_line(tmp_path / "none")
-    doc, why = submit.decision_from_log(missing)
+    assert log_line.decision_from_log("no line at all")[0] is None
+    missing = log_line.decision_log_line(tmp_path / "none")
+    doc, why = log_line.decision_from_log(missing)
     assert doc is None and "did not send decision.json" in why and "cannot read" in why
 
 
 def test_the_streamed_log_shows_a_note_not_the_base64():
-    line = submit.decision_log_line(RECORDED / "bad")
+    line = log_line.decision_log_line(RECORDED / "bad")
     assert submit._shown(line + "\n").startswith("mtp-canary submit: decision.json in the log (")
     assert submit._shown("[12:00:00] look 3\n") == "[12:00:00] look 3\n"
 
@@ -318,17 +319,17 @@ def test_an_output_in_a_missing_directory_is_exit_2_before_submitting(tmp_path, 
     assert code == 2 and "--junit" in capsys.readouterr().err
 
 
-# the run's own end (cli._drive, the hook `run` takes) inside a real job: the environment submit
+# the run's own end (rollout.commands.run.drive, the hook `run` takes) inside a real job: the environment submit
 # gives the job makes it print decision.json into the log; the recorded run stands in for a controller
 DRIVE_RECORDED = """
 import sys
 from pathlib import Path
 from types import SimpleNamespace
-from rollout import cli
-from rollout.result import Decision
+from rollout.commands import run as run_command
+from rollout.record.result import Decision
 run_dir = Path('tests/data/recorded_runs/bad').resolve()
 result = SimpleNamespace(decision=Decision.ROLLBACK, error=None, exit_code=3, run_dir=run_dir)
-sys.exit(cli._drive(SimpleNamespace(run=lambda: result)))
+sys.exit(run_command.drive(SimpleNamespace(run=lambda: result)))
 """
 
 
@@ -339,7 +340,7 @@ def test_a_real_job_brings_its_decision_back(ray_head, tmp_path):
     done = submit_entrypoint(ray_head, ["python", "-c", DRIVE_RECORDED], REPO, out=out)
     assert (done.status, done.exit_code, done.decision) == ("FAILED", 3, "rollback"), out.getvalue()[-3000:]
     assert done.decision_doc == json.loads((RECORDED / "bad" / "decision.json").read_text()), done.decision_problem
-    assert submit.DECISION_PREFIX not in out.getvalue() and "decision.json in the log" in out.getvalue()
+    assert log_line.DECISION_PREFIX not in out.getvalue() and "decision.json in the log" in out.getvalue()
     assert submit.fetch_decision(done, tmp_path / "fetched", None, None) == 3
     assert json.loads((tmp_path / "fetched" / "decision.json").read_text())["decision"] == "rollback"
     # the job's environment: the stop grace the teardown needs (docs/gpu-cluster.md: `ray job stop`)

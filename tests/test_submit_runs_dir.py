@@ -10,7 +10,7 @@ import shlex
 import subprocess
 from pathlib import Path
 
-from rollout import cli, submit
+from rollout.commands import cli, submit
 from tests.conftest import REPO
 
 CONFIG = REPO / "configs" / "examples" / "local-progressive.yaml"

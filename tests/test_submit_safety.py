@@ -1,7 +1,7 @@
 """`mtp-canary submit` uploads no secret and trusts no line over Ray's record.
 
 The working_dir is stored on the cluster's head for anyone with job access: .env files, keys
-and certificates, kubeconfigs and cloud credentials stay out of it (rollout.submit.SECRET_EXCLUDES,
+and certificates, kubeconfigs and cloud credentials stay out of it (rollout.commands.submit.SECRET_EXCLUDES,
 matched by Ray's own gitwildmatch). The run's final `mtp-canary: exit_code=` line is the exit
 code only when Ray's record of how the driver exited agrees with it.
 """
@@ -12,8 +12,8 @@ from pathlib import Path
 
 from ray._private.runtime_env.packaging import _get_excludes
 
-from rollout import submit
-from rollout.submit import EXIT_INFRASTRUCTURE, SECRET_EXCLUDES, UPLOAD_EXCLUDES, outcome_of
+from rollout.commands import submit
+from rollout.commands.submit import EXIT_INFRASTRUCTURE, SECRET_EXCLUDES, UPLOAD_EXCLUDES, outcome_of
 
 SECRETS = [".env", ".env.production", "deploy/prod.env", "certs/server.pem", "tls/client.key", "kubeconfig",
            "clusters/kubeconfig-prod.yaml", ".kube/config", ".ssh/id_ed25519", "id_rsa", ".netrc", ".aws/credentials",

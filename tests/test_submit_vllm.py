@@ -19,7 +19,7 @@ from pathlib import Path
 
 import pytest
 
-from rollout.submit import JOB_STOP_WAIT_S, final_line
+from rollout.commands.submit import JOB_STOP_WAIT_S, final_line
 from tests.conftest import REPO, server_processes, session_processes, wait_gone
 from tests.test_cli_run import assert_goodput_per_arm
 from tests.test_submit import _head

@@ -371,7 +371,7 @@ def test_explicit_options_win_over_the_probe(tmp_path):
 
 def test_resolve_arm_engine_gives_both_arms_the_sizing_and_its_dtype(tmp_path):
     from rollout.config import ArmConfig
-    from rollout.phases.setup import resolve_arm_engine
+    from rollout.run.phases.setup import resolve_arm_engine
 
     engine = {"device": "cpu", "dtype": "bfloat16", "speculative_config": {"method": "mtp", "num_speculative_tokens": 1}}
     baseline = ArmConfig.model_validate({"tiny_model": {}, "engine": engine})

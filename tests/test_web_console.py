@@ -26,10 +26,11 @@ from cluster.router import Router
 from loadtests.console import TAB_KEY, console_rows, console_spec
 from loadtests.options import BEARER_TOKEN_ENV, TrafficOptions
 from loadtests.swarm import Swarm, SwarmSpec, free_port
-from rollout.cli import build_parser, run_config
+from rollout.commands.cli import build_parser
+from rollout.commands.run import run_config
 from rollout.judge.verdicts import Decision
-from rollout.phases.progressive_steps import run_progressive
-from rollout.store import RunStore
+from rollout.run.phases.progressive_steps import run_progressive
+from rollout.run.store import RunStore
 from tests.conftest import REPO, wait_gone
 from tests.progressive_harness import locust_processes
 from tests.test_progressive import Targets, fast_config, fast_harness
@@ -328,7 +329,7 @@ def test_the_console_answers_at_one_url_from_the_experiment_through_the_progress
     master runs: the gap is printed, not asserted."""
     from cluster.router import RouterClient
     from rollout.config import ExperimentConfig
-    from rollout.phases.experiment_loop import LOAD_STOP_TIMEOUT_S, ExperimentContext, ExperimentPhase
+    from rollout.run.phases.experiment_loop import LOAD_STOP_TIMEOUT_S, ExperimentContext, ExperimentPhase
     from tests.experiment_harness import GATES
 
     h = fast_harness(tmp_path, router, targets, run_id="flow")

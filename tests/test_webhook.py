@@ -13,7 +13,7 @@ from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 
 import pytest
 
-from rollout.webhook import BACKOFF_S, post_decision
+from rollout.record.webhook import BACKOFF_S, post_decision
 
 DOC = {"run_id": "r1", "decision": "promote", "gates": [{"name": "g", "verdict": "pass"}]}
 

@@ -39,10 +39,10 @@ def gates(ratio: float, interval: tuple[float, float]) -> list[GateResult]:
 
 
 def test_the_run_says_it_and_the_report_prints_it(monkeypatch, tmp_path):
-    from rollout.phases import candidates as phase
-    from rollout.report import markdown_report
-    from rollout.report_html import html_report
-    from rollout.result import RunResult, decision_document
+    from rollout.run.phases import candidates as phase
+    from rollout.record.markdown import markdown_report
+    from rollout.record.html import html_report
+    from rollout.record.result import RunResult, decision_document
 
     cfg = candidates_config()
     cfg = cfg.model_copy(update={"gates": cfg.gates.model_copy(update={"enabled": [OBJECTIVE_NAME]})})

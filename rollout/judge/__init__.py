@@ -6,10 +6,9 @@ with everything measured so far, and stops when ``verdicts.is_final`` says so.
 The statistics live in ``rollout.judge.stats``; ``latency``, ``accuracy``,
 ``acceptance``, ``sample_ratio`` and ``goodput`` turn their intervals into verdicts (``looks``
 holds what they share), ``experiment_looks`` is the experiment's look rule and
-per-look judging (the controller, ``mtp-canary judge`` and calibrate share it),
-``guards`` judges the progressive phase's windows, and ``calibrate`` (with
-``calibration_trial`` and the simulated worlds of ``scenarios``) measures the
-error rates of all of it by simulation, through the same functions:
+per-look judging (the controller, ``mtp-canary judge`` and calibration share it),
+and ``guards`` judges the progressive phase's windows. ``rollout.calibration``
+measures the error rates of all of it by simulation, through these functions:
 
 * PASS      the confidence bound on the good side clears the threshold;
 * FAIL      the bound on the bad side is past the threshold (or an

@@ -2,9 +2,9 @@
 
 One copy of the look logic for everyone who needs it:
 
-* the controller (``rollout.phases.experiment_loop``) calls `LookPlan.look_due`,
+* the controller (``rollout.run.phases.experiment_loop``) calls `LookPlan.look_due`,
   `next_information`, `judge_look` and `stop_after` on the records it tails live;
-* ``mtp-canary judge`` (``rollout.rejudge``) replays a finished run's records through
+* ``mtp-canary judge`` (``rollout.commands.judge``) replays a finished run's records through
   `replay_looks`, which applies the same rules in the order the records arrived;
 * the calibration may simulate looks with the same functions.
 

@@ -40,7 +40,7 @@ The bounds at each look, built as the latency gates' are:
   rollback side as a family of its own (not Holm-adjusted with the latency guardrails:
   the drop is a different question from a quantile ratio).
 
-Claimed only as far as the simulation shows: ``rollout.judge.calibrate`` puts the canary
+Claimed only as far as the simulation shows: ``rollout.calibration.calibrate`` puts the canary
 exactly at the margin under a per-look arm-level latency (the ``limit/goodput_guard`` row).
 """
 

@@ -33,7 +33,7 @@ conservative), under assumptions stated in each line (`PowerAssumptions`):
   whose mean puts the canary's length at the floor; the per-request variance is exact
   under that model (a recursion on the tokens left), the se taken at the true length.
 
-Pure (numbers in, numbers out); `rollout.plan_power.power_plan` builds the plan
+Pure (numbers in, numbers out); `rollout.run.plan_power.power_plan` builds the plan
 from a run config. tests/test_power.py checks each formula against a simulation.
 """
 

@@ -3,7 +3,7 @@
 Every function here is a plain function of numbers. Most accept numpy arrays
 with any leading "batch" shape, so the same code judges one canary run (the
 gates call it with 1-D samples) and thousands of simulated runs at once
-(``rollout.judge.calibrate`` calls it with a leading trials axis). That is how the
+(``rollout.calibration.calibrate`` calls it with a leading trials axis). That is how the
 calibration proves the error rates of the code the controller actually runs.
 
 Methods, and why these ones

@@ -29,7 +29,7 @@ with open(sys.argv[2], "a") as f:
 if sys.argv[1] == "0":
     time.sleep(float(os.environ.get("MTP_CANARY_TEST_HOOK_SLEEP_AT_0", "0")))
 """
-# the last line of every run's log (rollout.cli): what `mtp-canary submit` and a pipeline read
+# the last line of every run's log (rollout.commands.cli): what `mtp-canary submit` and a pipeline read
 FINAL_LINE = "mtp-canary: exit_code="
 
 

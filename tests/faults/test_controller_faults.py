@@ -20,8 +20,8 @@ import pytest
 
 from benchmarks.stream_target import TargetProcess
 from rollout.config import load_config
-from rollout.redact import redact_config
-from rollout.store import RunStore
+from rollout.record.redact import redact_config
+from rollout.run.store import RunStore
 from tests.conftest import ray_processes, server_processes, session_processes, wait_gone
 from tests.faults.endpoint_run import CliRun, hook_weights, run_config
 
@@ -132,7 +132,7 @@ def test_two_resumes_started_together_only_one_takes_the_run(tmp_path):
     store.create_run("f1", config.name, "stream-target", redact_config(config.model_dump(mode="json")))
     store.update_run("f1", controller=f"{socket.gethostname()}:{dead_pid()}", phase="experiment")
     (runs / "f1").mkdir()
-    # the hook's argv is never stored (rollout.redact): the config file is given again
+    # the hook's argv is never stored (rollout.record.redact): the config file is given again
     resumes = [CliRun(tmp_path, config=None, run_id="f1", command="resume", runs_dir=runs, log_name=f"resume-{i}",
                       args=("--config", str(path)))
                for i in range(2)]

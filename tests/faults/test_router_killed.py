@@ -15,7 +15,7 @@ import ray
 from benchmarks.stream_target import TargetProcess
 from cluster.router import ROUTER_WATCH_NAME, Router, RouterClient
 from rollout.config import ExperimentConfig
-from rollout.run_context import InfrastructureError
+from rollout.run.context import InfrastructureError
 from tests.experiment_harness import GATES, once_the_load_flows, run_experiment
 
 

@@ -17,9 +17,9 @@ import requests
 
 from benchmarks.stream_target import TargetProcess
 from rollout.config import ExperimentConfig
-from rollout.phases import replica_watch
-from rollout.run_context import InfrastructureError
-from rollout.store import RunStore
+from rollout.run.phases import replica_watch
+from rollout.run.context import InfrastructureError
+from rollout.run.store import RunStore
 from tests.experiment_harness import GATES, once_the_load_flows, routed, run_experiment
 
 

@@ -1,0 +1,95 @@
+"""junit.xml beside decision.json: a run's gates as test cases a CI test reporter reads.
+
+One <testsuite name="mtp-canary"> (GitLab, Jenkins and GitHub's reporters all read this
+shape): one <testcase> per gate of decision.json `gates`, named by the gate, and one
+"decision" case for the run as a whole. A passed gate passes; a failed gate is a <failure>
+carrying the gate's detail; an inconclusive gate, or a verdict this file does not know, is an
+<error>: a pipeline must never read "not decided" as a pass, and reporters that show skips as
+green would do exactly that. The decision case passes only on promote, fails on rollback and
+errors on inconclusive or an infrastructure error.
+
+A run with several candidates adds one "candidate NAME" case each (classname
+mtp-canary.candidates), its message the reason it won or lost: with a winner, every
+candidate passes (losing to a better candidate is the selection working; the winner's gates
+are the run's `gates`); without one, each candidate's case carries its own verdict.
+"""
+
+from __future__ import annotations
+
+import xml.etree.ElementTree as ET
+from datetime import datetime, timezone
+from pathlib import Path
+from typing import Any
+
+from rollout.record.atomic_file import write_atomically
+
+SUITE = "mtp-canary"
+JUNIT_FILE = "junit.xml"
+
+
+def _gate_message(gate: dict[str, Any]) -> str:
+    """One line: verdict, estimate vs threshold, and the gate's own detail."""
+    parts = [f"{gate.get('verdict') or 'missing'}"]
+    if gate.get("estimate") is not None:
+        parts.append(f"estimate {gate['estimate']:.4g}")
+    if gate.get("interval"):
+        lo, hi = gate["interval"]
+        parts.append(f"interval [{lo:.4g}, {hi:.4g}]")
+    if gate.get("threshold") is not None:
+        parts.append(f"threshold {gate['threshold']:.4g}")
+    head = ", ".join(parts)
+    detail = " ".join(str(gate.get("detail") or "").split())
+    return f"{head}: {detail}" if detail else head
+
+
+def _case(suite: ET.Element, name: str, classname: str, outcome: str, message: str) -> str:
+    """Append one testcase; `outcome` is 'passed', 'failure' or 'error'. Returns the outcome."""
+    case = ET.SubElement(suite, "testcase", name=name, classname=classname, time="0")
+    if outcome != "passed":
+        # ElementTree escapes attribute values and text (&, <, ", newlines in attributes)
+        child = ET.SubElement(case, outcome, message=message, type=outcome)
+        child.text = message
+    else:
+        ET.SubElement(case, "system-out").text = message
+    return outcome
+
+
+def junit_xml(doc: dict[str, Any]) -> str:
+    """decision.json as JUnit XML text (see the module docstring for the mapping)."""
+    run_id = str(doc.get("run_id") or "unknown")
+    suite = ET.Element("testsuite", name=SUITE)
+    # the schema puts <properties> before the cases
+    ET.SubElement(ET.SubElement(suite, "properties"), "property", name="run_id", value=run_id)
+    outcomes = []
+    for gate in doc.get("gates") or []:
+        verdict = gate.get("verdict")
+        outcome = {"pass": "passed", "fail": "failure"}.get(verdict, "error")
+        phase = gate.get("phase") or gate.get("metric") or "gate"
+        outcomes.append(_case(suite, str(gate.get("name") or "unnamed gate"), f"{SUITE}.{phase}", outcome, _gate_message(gate)))
+    decision = doc.get("decision")
+    for candidate in doc.get("candidates") or []:
+        own = {"promote": "passed", "rollback": "failure"}.get(candidate.get("decision"), "error")
+        outcome = "passed" if doc.get("winner") and decision == "promote" else own
+        message = f"{candidate.get('decision')} at alpha {candidate.get('alpha')}: {candidate.get('reason')}"
+        outcomes.append(_case(suite, f"candidate {candidate.get('name')}", f"{SUITE}.candidates", outcome, message))
+    reason = " ".join(str(doc.get("reason") or "").split())
+    message = f"{decision or 'error'} (exit {doc.get('exit_code')}) run {run_id}: {reason}".rstrip(": ")
+    decided = {"promote": "passed", "rollback": "failure"}.get(decision, "error") if not doc.get("error") else "error"
+    outcomes.append(_case(suite, "decision", f"{SUITE}.run", decided, message))
+    suite.set("id", run_id)
+    suite.set("tests", str(len(outcomes)))
+    suite.set("failures", str(outcomes.count("failure")))
+    suite.set("errors", str(outcomes.count("error")))
+    suite.set("skipped", "0")
+    if isinstance(doc.get("started_at"), (int, float)):
+        started = datetime.fromtimestamp(doc["started_at"], tz=timezone.utc)
+        suite.set("timestamp", started.strftime("%Y-%m-%dT%H:%M:%S"))
+    ET.indent(suite)
+    return '<?xml version="1.0" encoding="UTF-8"?>\n' + ET.tostring(suite, encoding="unicode") + "\n"
+
+
+def write_junit(doc: dict[str, Any], run_dir: Path) -> Path:
+    """run_dir/junit.xml, whole or absent (rollout.record.atomic_file)."""
+    path = Path(run_dir) / JUNIT_FILE
+    write_atomically(path, junit_xml(doc))
+    return path

@@ -1,0 +1,19 @@
+"""What every phase is: a name, whether it runs, and how."""
+
+from __future__ import annotations
+
+from typing import Protocol
+
+from rollout.run.context import RunContext
+
+
+class Phase(Protocol):
+    name: str
+
+    def enabled(self, ctx: RunContext) -> bool:
+        """Whether the phase runs, given the config and what the phases before it found."""
+        ...
+
+    def run(self, ctx: RunContext) -> None:
+        """Do the phase's work; raise InfrastructureError (or a load/fleet error) when it cannot measure."""
+        ...
