@@ -68,7 +68,7 @@ from loadtests.health import percentile  # noqa: E402
 CACHE = Path(os.environ.get("MTP_CANARY_BENCH_CACHE", Path.home() / ".cache" / "mtp-canary-bench")) / "peers"
 CLIENT_CORE, TARGET_CORE = 0, 1
 TARGET_ON_SCHEDULE_MS = 5.0  # the target's first chunks at most this late (p99) for streams_per_core to count
-SAMPLE_S = 0.05  # the client tree's CPU is sampled this often; the window's ends interpolate
+SAMPLE_S = 0.1  # the client tree's CPU is sampled this often; the window's ends interpolate
 PROMPT_TOKENS = 16
 
 
@@ -652,6 +652,8 @@ def main(argv: list[str] | None = None) -> int:
     if len(os.sched_getaffinity(0)) < 2:
         raise SystemExit("peers: needs two cores (client on core 0, target on core 1)")
     tokenizer_dir()
+    # this process (its CPU sampler) stays off the client's core
+    os.sched_setaffinity(0, {TARGET_CORE})
     before = machine()
     rows = run(args.tools, args.streams, args.requests_per_stream, Schedule(), say, args.timeout_s, args.keep)
     summary = summarize(rows)
