@@ -298,6 +298,28 @@ def _timed(fns: dict[Any, Callable[[], Any]], block_s: float, blocks: int, share
     return {name: min(v) for name, v in per_call.items()}, sorted(seen)[len(seen) // 2]
 
 
+def _linear(weight: Any, kernels: str | None) -> Callable[[Any], Any]:
+    """x -> x @ weight.T as vLLM's CPU build runs it: its oneDNN kernel when loaded, else torch's."""
+    import torch
+    import torch.nn.functional as F
+
+    n, _ = weight.shape
+    if kernels is not None:
+        try:
+            handle = torch.tensor(torch.ops._C.create_onednn_mm_handler(weight.t(), 32), dtype=torch.int64)
+        except RuntimeError:
+            handle = None
+        if handle is not None:
+
+            def mm(x, _h=handle, _n=n):  # the handler holds its packed copy (vLLM drops the weight too)
+                out = torch.empty((x.shape[0], _n), dtype=x.dtype)
+                torch.ops._C.onednn_mm(out, x, None, _h)
+                return out
+
+            return mm
+    return lambda x, _w=weight: F.linear(x, _w)
+
+
 def run_probe(
     hidden_size: int,
     intermediate_size: int,
@@ -324,26 +346,9 @@ def run_probe(
     shapes = {"qkv": (q_size + 2 * kv_size, h), "o": (h, q_size), "gate_up": (2 * inter, h), "down": (h, inter)}
     lib = _load_vllm_kernels() if use_vllm_kernels else None
 
-    def make_linear(weight: torch.Tensor):
-        n, k = weight.shape
-        if lib is not None:
-            try:
-                handle = torch.tensor(torch.ops._C.create_onednn_mm_handler(weight.t(), 32), dtype=torch.int64)
-            except RuntimeError:
-                handle = None
-            if handle is not None:
-
-                def mm(x, _h=handle, _n=n):  # the handler holds its packed copy (vLLM drops the weight too)
-                    out = torch.empty((x.shape[0], _n), dtype=x.dtype)
-                    torch.ops._C.onednn_mm(out, x, None, _h)
-                    return out
-
-                return mm
-        return lambda x, _w=weight: F.linear(x, _w)
-
     layers = []
     for _ in range(working_set_layers):
-        layers.append({name: make_linear(torch.full(shape, 0.01, dtype=torch_dtype)) for name, shape in shapes.items()})
+        layers.append({name: _linear(torch.full(shape, 0.01, dtype=torch_dtype), lib) for name, shape in shapes.items()})
     norm_w = torch.ones(h, dtype=torch_dtype)
 
     def rms(x):
@@ -692,17 +697,7 @@ def size_tiny_model(
     common = {"cpu_model": model, "native_bf16": bf16}
 
     if size_mode == "default" or "num_layers" in explicit:
-        spec = TinyCheckpointSpec.sized(explicit.get("num_layers"), hidden)
-        how = "size default" if size_mode == "default" else "depth from the config"
-        sizing = TinySizing(
-            num_layers=spec.num_layers,
-            hidden_size=spec.hidden_size,
-            intermediate_size=spec.intermediate_size,
-            dtype=dtype,
-            source="default" if size_mode == "default" and not explicit else "explicit",
-            reason=f"{spec.num_layers} layers x hidden {spec.hidden_size}, {dtype} ({dtype_why}; {how}, no probe)",
-            **common,
-        )
+        sizing = _unprobed_sizing(explicit, size_mode, dtype, dtype_why, common)
         progress(f"prepare: tiny model sized: {sizing.reason}")
         return sizing
 
@@ -714,41 +709,21 @@ def size_tiny_model(
     cache_file = Path(cache_dir) / "machine-probe" / f"{key}-{request_key}.json"
     if reprobe is None:
         reprobe = os.environ.get(REPROBE_ENV, "") not in ("", "0")
-    if not reprobe and cache_file.exists():
-        try:
-            cached = TinySizing.model_validate_json(cache_file.read_text()).model_copy(update={"cached": True})
-        except ValueError:
-            cached = None
-        if cached is not None:
-            progress(f"prepare: tiny model auto-sized: {cached.reason} [cached: {cache_file.name}]")
-            return cached
+    cached = None if reprobe else _cached_sizing(cache_file)
+    if cached is not None:
+        progress(f"prepare: tiny model auto-sized: {cached.reason} [cached: {cache_file.name}]")
+        return cached
 
     widths = [hidden] if hidden else list(HIDDEN_CHOICES)
-    if prober is None:
-        probes = probe_subprocess(widths, dtype)
-    else:
-        probes = search_sizes(prober, dtype, widths)
+    probes = probe_subprocess(widths, dtype) if prober is None else search_sizes(prober, dtype, widths)
     figures, choice = choose_size(probes)
     lines = predict_lines(figures)
     choice = quota_depth_floor(choice, lines[1], lines[3], cpu_limit)
     spec = TinyCheckpointSpec.sized(choice.layers, figures.hidden_size)
-    note = {
-        "ok": "",
-        "thin_margin": f"; k=3 {choice.speedup_k3}x faster: under the {SPEEDUP_MARGIN:g} margin above {MIN_SPEEDUP_K3:g}x",
-        "slow_speedup": f"; k=3 only {choice.speedup_k3}x faster (< {MIN_SPEEDUP_K3:g}x) at every depth in band",
-        "too_slow": "; slower than the band even at the smallest size",
-        "too_fast": "; faster than the band even at the largest depth",
-        "quota_depth": f"; deepened to {QUOTA_MIN_LAYERS} layers: a CPU quota shares one pool between the arms",
-    }[choice.verdict]
     limit_note = f", CPU quota {cpu_limit:g}" if cpu_limit is not None and cpu_limit < 1 else ""
     if declared_share is not None:
         limit_note += f", CPU share {declared_share:g} ({CPU_SHARE_ENV})"
-    reason = (
-        f"{spec.num_layers} layers x hidden {spec.hidden_size}, {dtype} ({dtype_why}{limit_note}; "
-        f"probe {figures.layer_ms.get(2, 0):.2f} ms/layer, {figures.op_ms * 1000:.1f} us/op -> predicted k=1 TPOT "
-        f"{choice.tpot_k1_ms:.0f} ms, k=3 {choice.tpot_k3_ms:.0f} ms ({choice.speedup_k3:g}x), "
-        f"band {BAND_MS[0]:g}-{BAND_MS[1]:g} ms{note})"
-    )
+    reason = _probed_reason(spec, dtype, dtype_why + limit_note, figures, choice)
     sizing = TinySizing(
         num_layers=spec.num_layers,
         hidden_size=spec.hidden_size,
@@ -766,12 +741,60 @@ def size_tiny_model(
         probe_wall_s=round(time.perf_counter() - t0, 2),
         **common,
     )
+    _cache_sizing(cache_file, sizing)
+    progress(f"prepare: tiny model auto-sized: {reason}")
+    return sizing
+
+
+def _unprobed_sizing(explicit: dict[str, Any], size_mode: str, dtype: str, dtype_why: str,
+                     common: dict[str, Any]) -> TinySizing:
+    """The fixed default size, or the config's explicit depth: no timing run."""
+    spec = TinyCheckpointSpec.sized(explicit.get("num_layers"), explicit.get("hidden_size"))
+    how = "size default" if size_mode == "default" else "depth from the config"
+    return TinySizing(
+        num_layers=spec.num_layers,
+        hidden_size=spec.hidden_size,
+        intermediate_size=spec.intermediate_size,
+        dtype=dtype,
+        source="default" if size_mode == "default" and not explicit else "explicit",
+        reason=f"{spec.num_layers} layers x hidden {spec.hidden_size}, {dtype} ({dtype_why}; {how}, no probe)",
+        **common,
+    )
+
+
+def _cached_sizing(cache_file: Path) -> TinySizing | None:
+    """This machine's earlier answer, or None (none yet, or unreadable: probe again)."""
+    if not cache_file.exists():
+        return None
+    try:
+        return TinySizing.model_validate_json(cache_file.read_text()).model_copy(update={"cached": True})
+    except ValueError:
+        return None
+
+
+def _cache_sizing(cache_file: Path, sizing: TinySizing) -> None:
     cache_file.parent.mkdir(parents=True, exist_ok=True)
     tmp = cache_file.with_name(f".{cache_file.name}.{os.getpid()}.tmp")
     tmp.write_text(sizing.model_dump_json(indent=2))
     os.replace(tmp, cache_file)  # atomic: a concurrent sizer reads a whole answer or none
-    progress(f"prepare: tiny model auto-sized: {reason}")
-    return sizing
+
+
+def _probed_reason(spec: TinyCheckpointSpec, dtype: str, why: str, figures: ProbeFigures, choice: LayerChoice) -> str:
+    """The one line that says what the probe measured, predicted and chose."""
+    note = {
+        "ok": "",
+        "thin_margin": f"; k=3 {choice.speedup_k3}x faster: under the {SPEEDUP_MARGIN:g} margin above {MIN_SPEEDUP_K3:g}x",
+        "slow_speedup": f"; k=3 only {choice.speedup_k3}x faster (< {MIN_SPEEDUP_K3:g}x) at every depth in band",
+        "too_slow": "; slower than the band even at the smallest size",
+        "too_fast": "; faster than the band even at the largest depth",
+        "quota_depth": f"; deepened to {QUOTA_MIN_LAYERS} layers: a CPU quota shares one pool between the arms",
+    }[choice.verdict]
+    return (
+        f"{spec.num_layers} layers x hidden {spec.hidden_size}, {dtype} ({why}; "
+        f"probe {figures.layer_ms.get(2, 0):.2f} ms/layer, {figures.op_ms * 1000:.1f} us/op -> predicted k=1 TPOT "
+        f"{choice.tpot_k1_ms:.0f} ms, k=3 {choice.tpot_k3_ms:.0f} ms ({choice.speedup_k3:g}x), "
+        f"band {BAND_MS[0]:g}-{BAND_MS[1]:g} ms{note})"
+    )
 
 
 def sizing_for_arm(options: Any, sizing: TinySizing | None, cache_dir: str | Path, progress: Progress = print) -> TinySizing | None:
