@@ -84,11 +84,13 @@ def run_experiment_looks(
     looks_of: list[int] = []
     fractions: list[float] = []
     start, stopped_by = 0, "end of records"
+    # the records read once; each look slices them (the same samples and counts as reading them again)
+    columns = experiment_looks.RecordColumns.of(records, plan.arms)
     for look, end in enumerate(ends, start=1):
         looks_of += [look] * (end - start)
-        judged = records[:end]
-        fractions.append(experiment_looks.next_information(fractions, plan.information(experiment_looks.requests_by_arm(judged, plan.arms))))
-        gates = experiment_looks.judge_look(judged, looks_of, fractions, cfg, plan, canary_spec_at(end), speculative_canary)
+        fractions.append(experiment_looks.next_information(fractions, plan.information(columns.counts(end, plan.arms))))
+        gates = experiment_looks.judge_look(records[:end], looks_of, fractions, cfg, plan, canary_spec_at(end),
+                                            speculative_canary, columns=columns)
         looks.append(gates)
         start = end
         reason = experiment_looks.stop_after(look, fractions, plan, gates, cfg)
@@ -98,7 +100,7 @@ def run_experiment_looks(
     return ExperimentRun(
         looks=looks,
         information=fractions,
-        requests=experiment_looks.requests_by_arm(records[:start], plan.arms),
+        requests=columns.counts(start, plan.arms),
         stopped_by=stopped_by,
     )
 

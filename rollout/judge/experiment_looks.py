@@ -31,6 +31,10 @@ The rules (the controller's, unchanged):
   completed requests (``warmup_end``) are a warm-up: stored, never judged; the looks
   and their clock begin after them.
 
+A caller that judges many prefixes of one stream (the calibration's trials) may pass the
+stream's `RecordColumns`, read once: each look then slices arrays instead of reading every
+record again, with the very samples and counts the record-by-record path gives.
+
 No clock here: the controller passes the seconds since its last look; a replay uses
 the records' own completion times (sent_at + e2e_s) as its clock.
 """
@@ -41,6 +45,8 @@ import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from typing import Protocol
+
+import numpy as np
 
 from cluster.arms import BASELINE, CANARY
 from cluster.metrics import SpecDecodeStats
@@ -59,6 +65,7 @@ from rollout.judge.verdicts import GateResult, Verdict, is_enabled, is_final
 __all__ = [
     "ARMS",
     "LookPlan",
+    "RecordColumns",
     "Look",
     "Replay",
     "record_arm",
@@ -185,6 +192,70 @@ def promised_shares(records: Sequence[RequestRecord], arm_users: bool, arms: Seq
     return shares
 
 
+@dataclass(frozen=True)
+class RecordColumns:
+    """A stream of records read once into arrays, for judging many of its prefixes.
+
+    ``arm``: index of each record's served arm in ``arms`` (-1: none of them);
+    ``timed``: the record has both a TTFT and a TPOT (else they read NaN here). `samples_by_arm` and
+    `counts` of a prefix equal `latency.latency_samples_by_arm` and `requests_by_arm`
+    of those records (the same rule, the same values and order).
+    """
+
+    arms: tuple[str, ...]
+    arm: np.ndarray
+    cancelled: np.ndarray
+    ok: np.ndarray
+    timed: np.ndarray
+    ttft_s: np.ndarray
+    tpot_s: np.ndarray
+    e2e_s: np.ndarray
+
+    @classmethod
+    def of(cls, records: Sequence[RequestRecord], arms: Sequence[str]) -> "RecordColumns":
+        index = {name: i for i, name in enumerate(arms)}
+        tpot = [r.tpot_s for r in records]  # the record's own property: the same float the judge reads
+        return cls(
+            arms=tuple(arms),
+            arm=np.array([index.get(record_arm(r), -1) for r in records], dtype=int),
+            cancelled=np.array([r.cancelled for r in records], dtype=bool),
+            ok=np.array([r.ok for r in records], dtype=bool),
+            timed=np.array([r.ttft_s is not None and t is not None for r, t in zip(records, tpot)], dtype=bool),
+            ttft_s=np.array([math.nan if r.ttft_s is None else r.ttft_s for r in records], dtype=float),
+            tpot_s=np.array([math.nan if t is None else t for t in tpot], dtype=float),
+            e2e_s=np.array([r.e2e_s for r in records], dtype=float),
+        )
+
+    @property
+    def size(self) -> int:
+        return int(self.arm.size)
+
+    def counts(self, end: int, arms: Sequence[str]) -> dict[str, int]:
+        """`requests_by_arm` of the first ``end`` records."""
+        live = self.arm[:end][~self.cancelled[:end]]
+        return {name: int(np.count_nonzero(live == self.arms.index(name))) if name in self.arms else 0 for name in arms}
+
+    def samples_by_arm(self, end: int, looks_of: Sequence[int], arms: Sequence[str]) -> dict[str, LatencySamples]:
+        """`latency.latency_samples_by_arm` of the first ``end`` records, ``looks_of`` their looks."""
+        if len(looks_of) != end or end > self.size:
+            raise ValueError(f"one look per record needed: {len(looks_of)} for {end} records of {self.size}")
+        looks = np.asarray(looks_of, dtype=int)
+        live = ~self.cancelled[:end]
+        ok = self.ok[:end]
+        ttft, tpot = self.ttft_s[:end], self.tpot_s[:end]
+        has = ok & self.timed[:end]
+        out = {}
+        for name in arms:
+            mine = live & (self.arm[:end] == (self.arms.index(name) if name in self.arms else -2))
+            sample, failed = mine & has, mine & ~ok
+            out[name] = LatencySamples(
+                ttft_s=ttft[sample], tpot_s=tpot[sample], e2e_s=self.e2e_s[:end][sample],
+                n_errors=int(np.count_nonzero(failed)), n_total=int(np.count_nonzero(mine)),
+                window=looks[sample], error_window=looks[failed],
+            )
+        return out
+
+
 def latency_samples(records: Sequence[RequestRecord], looks_of: Sequence[int], arm: str) -> LatencySamples:
     """Per-request samples of one arm with the look each arrived in: the latency judge's own rule
     (``latency_samples_from_records``: cancelled requests are not samples, failed ones carry their look)."""
@@ -207,6 +278,7 @@ def judge_look(
     canary_spec: SpecDecodeStats | None,
     speculative_canary: bool,
     prefix_cache: PrefixCacheLooks | None = None,
+    columns: RecordColumns | None = None,
 ) -> list[GateResult]:
     """Every experiment gate at look ``len(fractions)`` on all records so far: latency, acceptance, sample ratio,
     goodput when the config enables it (``gates.slo`` sets a bound), and the prefix-cache gate when enabled
@@ -216,9 +288,10 @@ def judge_look(
     fraction of every look so far, this one last. ``canary_spec`` is the canary's
     spec-decode counters since the phase began (None: not scraped, so unknown).
     With ``plan.twin`` the objective is held to the A/A noise floor (`judge_look_with_floor`).
+    ``columns``: the stream's `RecordColumns` when the caller has them (``records`` its first records).
     """
     return judge_look_with_floor(records, looks_of, fractions, cfg, plan, canary_spec, speculative_canary,
-                                 prefix_cache)[0]
+                                 prefix_cache, columns)[0]
 
 
 def judge_look_with_floor(
@@ -230,12 +303,16 @@ def judge_look_with_floor(
     canary_spec: SpecDecodeStats | None,
     speculative_canary: bool,
     prefix_cache: PrefixCacheLooks | None = None,
+    columns: RecordColumns | None = None,
 ) -> tuple[list[GateResult], NoiseFloor | None]:
     """`judge_look`'s gates and, with a twin baseline, the look's A/A noise floor (None without a twin).
     ``prefix_cache``: each arm's prefix-cache counters at every look (the live loop reads them from
     /metrics; a replay has them only from the run's decision.json, at the run's own looks)."""
     look = len(fractions)
-    samples = latency_samples_by_arm(records, looks_of, plan.arms)
+    if columns is not None:
+        samples = columns.samples_by_arm(len(records), looks_of, plan.arms)
+    else:
+        samples = latency_samples_by_arm(records, looks_of, plan.arms)
     baseline, canary = samples[BASELINE], samples[CANARY]
     latency = judge_latency(baseline, canary, cfg, look=look, max_looks=plan.planned_looks, information=list(fractions))
     floor = None
@@ -251,7 +328,7 @@ def judge_look_with_floor(
         acceptance = acceptance.model_copy(
             update={"verdict": Verdict.FAIL, "detail": "the speculative canary made no drafts under load"}
         )
-    counts = requests_by_arm(records, plan.arms)
+    counts = columns.counts(len(records), plan.arms) if columns is not None else requests_by_arm(records, plan.arms)
     sample_ratio = judge_sample_ratio(counts, cfg, promised_shares(records, plan.arm_users, plan.arms), look=look)
     gates = [*latency, acceptance, sample_ratio]
     if is_enabled(GOODPUT_NAME, cfg) and cfg.goodput_slo is not None:

@@ -257,6 +257,7 @@ class _ArmPair:
     correlation: float = 0.0
     autocorrelation: tuple[float, float, float] = (math.nan, math.nan, math.nan)
     drift_factor: float = math.nan  # drift-robust over independent-looks variance (above 1: levels persist)
+    correlation_estimate: float = math.nan  # the contrast's own look-to-look correlation (`stats.look_correlation_estimate`)
 
     def critical(self, level: float) -> float | None:
         """The critical value at ``level`` when paired by look (None: t on ``df``)."""
@@ -301,7 +302,7 @@ def _pair_arms(bl: _ArmLook, cl: _ArmLook, q: float, correlation: float) -> _Arm
     return _ArmPair(
         replace(bl, deff=bl.deff * scaling), replace(cl, deff=cl.deff * scaling), float(looks - 1), independent,
         looks=looks, correlation=correlation, autocorrelation=autocorrelation,  # type: ignore[arg-type]
-        drift_factor=scaling / independent,
+        drift_factor=scaling / independent, correlation_estimate=stats.look_correlation_estimate(contrast),
     )
 
 
@@ -331,7 +332,7 @@ class _ArmSeries:
         values, blocks = (self.values, self.blocks) if keep is None else (self.values[keep], self.blocks[keep])
         h = hashlib.blake2b(digest_size=16)
         h.update(np.ascontiguousarray(values).tobytes())
-        h.update(str(blocks.dtype).encode())
+        h.update(blocks.dtype.str.encode())  # '<i8': the dtype's own short code (its str() is slow to build)
         h.update(np.ascontiguousarray(blocks).tobytes())
         return h.digest()
 
@@ -467,7 +468,9 @@ class _QuantileRatioBounds:
     autocorrelation: tuple[float, float, float] = (math.nan, math.nan, math.nan)  # baseline, canary, contrast
     drift_factor: float = math.nan
     looks_paired: int = 0
-    correlation: float = 0.0
+    correlation: float = 0.0  # the look-to-look correlation the critical values held for (folded: see below)
+    correlation_estimate: float = math.nan  # the contrast's own, now (`stats.look_correlation_estimate`)
+    beyond_plan: bool = False  # that estimate above `stats.LOOK_CORRELATION_CEILING`: no critical value covers it
 
 
 @dataclass(frozen=True)
@@ -566,7 +569,7 @@ def _point_values(b_now, c_now, q: float) -> tuple[float | None, float | None, f
     return ms(point_b), ms(point_c), float(log_estimate), tie_widened
 
 
-@lru_cache(maxsize=8192)
+@lru_cache(maxsize=65536)
 def _look_levels(
     alphas: tuple[float, ...], look: int, planned: int, spending: str, information: tuple[float, ...] | None
 ) -> tuple[float, ...]:
@@ -674,8 +677,14 @@ def _quantile_ratio_bounds(
     cfg: GatesConfig,
     plan: _LookPlan,
     fail_levels: Sequence[float],
+    fold: bool = False,
 ) -> _QuantileRatioBounds:
     """Repeated-CI bounds for one quantile ratio, at the pass level and each fail level.
+
+    ``fold``: where the arms are paired by look and the contrast's own look-to-look correlation
+    (estimated on all looks so far) exceeds ``gates.look_correlation_max``, every look's critical
+    values are those of that correlation (`stats.folded_look_correlation`), so a run whose looks
+    persist more than the plan assumed gets the wider intervals its dependence needs.
 
     Returns the numbers a guardrail or the objective needs: point values,
     the pass-side upper bound (alpha), the fail-side lower bound at each of
@@ -694,7 +703,13 @@ def _quantile_ratio_bounds(
     upper_own = np.full(n_looks, np.inf)
     lower_own = np.full((len(fail_levels), n_looks), -np.inf)
     why_not = ""
-    b_now = c_now = None
+    b_now, c_now = b_series.up_to(None, q), c_series.up_to(None, q)
+    estimate = math.nan
+    if fold and use_windows:
+        estimate = _pair_arms(b_now, c_now, q, cfg.look_correlation_max).correlation_estimate
+        folded = stats.folded_look_correlation(estimate, cfg.look_correlation_max)
+        if folded > cfg.look_correlation_max:
+            cfg = cfg.model_copy(update={"look_correlation_max": folded})
     now: _OneLook | None = None
     for i, lk in enumerate(looks):
         upto = lk if (use_windows and lk < boundary_look) else None
@@ -702,7 +717,6 @@ def _quantile_ratio_bounds(
         pass_level, *rest = _look_levels((cfg.alpha, *fail_levels), lk, planned, cfg.spending, prefix)
         levels = tuple(rest)
         if upto is None:  # the current look: its arms kept for the point values, its bounds remembered for the next
-            b_now, c_now = b_series.up_to(None, q), c_series.up_to(None, q)
             one = now = _one_look_bounds(b_now, c_now, q, pass_level, levels, cfg, label)
             _remember(_look_key(b_series, c_series, None, q, pass_level, levels, cfg, label), one)
         else:
@@ -715,7 +729,7 @@ def _quantile_ratio_bounds(
 
     _, upper = cumulative_bounds(np.full(n_looks, -np.inf), upper_own, usable)
     lowers = tuple(float(cumulative_bounds(row, np.full(n_looks, np.inf), usable)[0][-1]) for row in lower_own)
-    assert b_now is not None and c_now is not None and now is not None
+    assert now is not None
     baseline_ms, canary_ms, log_estimate, tie_widened = _point_values(b_now, c_now, q)
     return _QuantileRatioBounds(
         name=name,
@@ -736,7 +750,8 @@ def _quantile_ratio_bounds(
         errors=(b_now.n_errors, c_now.n_errors),
         deff=(b_now.deff, c_now.deff),
         pairing=now.pairing, autocorrelation=now.autocorrelation, drift_factor=now.drift_factor,
-        looks_paired=now.looks, correlation=cfg.look_correlation_max,
+        looks_paired=now.looks, correlation=cfg.look_correlation_max, correlation_estimate=estimate,
+        beyond_plan=bool(estimate > stats.LOOK_CORRELATION_CEILING),
         blocks=(b_now.n_blocks, c_now.n_blocks), block_kind=b_series.block_kind, tie_widened=tie_widened,
     )
 
@@ -808,9 +823,11 @@ def _dependence_text(bounds: _QuantileRatioBounds) -> str:
         return ""
     rb, rc, rd = (f"{r:.2f}" if math.isfinite(r) else "n/a" for r in bounds.autocorrelation)
     factor = f"{bounds.drift_factor:.2f}" if math.isfinite(bounds.drift_factor) else "n/a"
+    estimate = bounds.correlation_estimate
+    observed = f"; its look-to-look correlation estimated {estimate:.2f}" if math.isfinite(estimate) else ""
     return (
         f" Dependence across {bounds.looks_paired} looks: lag-1 autocorrelation baseline {rb}, canary {rc}, "
-        f"contrast {rd}; variance x{factor} that of independent looks; critical values hold for look-to-look "
+        f"contrast {rd}{observed}; variance x{factor} that of independent looks; critical values hold for look-to-look "
         f"correlation <= {bounds.correlation:g}."
     )
 
@@ -884,17 +901,29 @@ def _objective_result(baseline: LatencySamples, canary: LatencySamples, cfg: Gat
     threshold = 1.0 - cfg.tpot_p50_min_improvement
     bounds = _quantile_ratio_bounds(
         name=OBJECTIVE_NAME, metric="tpot_p50_ratio", q=0.5, field="tpot_s", baseline=baseline, canary=canary,
-        threshold=threshold, cfg=cfg, plan=plan, fail_levels=[alpha],
+        threshold=threshold, cfg=cfg, plan=plan, fail_levels=[alpha], fold=True,
     )
     lower_log = bounds.lowers[0]
     code = int(upper_is_good_verdict(lower_log, bounds.upper, bounds.log_threshold, bounds.usable, bounds.usable))
     verdict = CODE_TO_VERDICT[code]
+    beyond = ""
+    if bounds.beyond_plan:  # no critical value covers such looks: never a pass, and the detail says why
+        beyond = (
+            f" Dependence beyond the plan: the looks' TPOT contrast persists more (look-to-look correlation estimated "
+            f"{bounds.correlation_estimate:.2f} > {stats.LOOK_CORRELATION_CEILING:g}: a drift or a trend) than any "
+            "critical value covers; a twin baseline or a longer run is needed."
+        )
+        if verdict is Verdict.PASS:
+            verdict = Verdict.INCONCLUSIVE
     if verdict is Verdict.PASS:
         reason = f"TPOT p50 ratio upper bound {math.exp(bounds.upper):.4f} < {threshold:.4g}: improvement shown."
     elif verdict is Verdict.FAIL:
         reason = f"TPOT p50 ratio lower bound {math.exp(lower_log):.4f} > {threshold:.4g}: the required improvement is absent."
+    elif beyond and bounds.usable and bounds.upper < bounds.log_threshold:
+        reason = f"TPOT p50 ratio upper bound {math.exp(bounds.upper):.4f} < {threshold:.4g}, but not a pass."
     else:
         reason = _not_usable_reason(bounds, f"TPOT p50 ratio interval straddles {threshold:.4g}.")
+    reason += beyond
     return _ratio_gate_result(bounds, verdict, lower_log, alpha, reason, cfg, plan)
 
 
@@ -1123,7 +1152,30 @@ class LookDependence(pydantic.BaseModel):
         description="The contrast's drift-robust variance over the variance that treats looks as independent "
         "(above 1: persistence the intervals widened for)."
     )
-    look_correlation_max: float = Field(description="The look-to-look correlation the critical values hold for.")
+    look_correlation_max: float = Field(description="The look-to-look correlation the plan's critical values hold for.")
+    correlation_estimate: float | None = Field(
+        None, description="The contrast's own look-to-look correlation, its lag-1 autocorrelation corrected for the "
+        "few looks (None before 6 looks)."
+    )
+    critical_correlation: float | None = Field(
+        None, description="The correlation the objective's critical values held for at the last look: the plan's, "
+        "or the estimate rounded up (at most 0.9) where it was larger."
+    )
+    beyond_plan: bool = Field(
+        False, description="The estimate is above 0.9 (a drift or a trend no critical value covers): the objective "
+        "cannot pass, and says so."
+    )
+
+    @pydantic.model_serializer(mode="wrap")
+    def _without_unread(self, handler: pydantic.SerializerFunctionWrapHandler) -> dict:
+        # a document written before the estimate was read keeps its own keys when it is read and written again
+        data = handler(self)
+        for key in ("correlation_estimate", "critical_correlation"):
+            if data.get(key) is None:
+                data.pop(key, None)
+        if not data.get("beyond_plan", False):
+            data.pop("beyond_plan", None)
+        return data
 
 
 def look_dependence(baseline: LatencySamples, canary: LatencySamples, cfg: GatesConfig) -> LookDependence | None:
@@ -1140,7 +1192,11 @@ def look_dependence(baseline: LatencySamples, canary: LatencySamples, cfg: Gates
             design_effect=None, look_correlation_max=cfg.look_correlation_max,
         )
     rb, rc, rd = (finite_or_none(r) for r in pair.autocorrelation)
+    estimate = pair.correlation_estimate
     return LookDependence(
         looks=pair.looks, autocorrelation={"baseline": rb, "canary": rc, "contrast": rd},
         design_effect=finite_or_none(pair.drift_factor), look_correlation_max=cfg.look_correlation_max,
+        correlation_estimate=finite_or_none(estimate),
+        critical_correlation=stats.folded_look_correlation(estimate, cfg.look_correlation_max),
+        beyond_plan=bool(estimate > stats.LOOK_CORRELATION_CEILING),
     )

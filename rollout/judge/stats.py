@@ -138,6 +138,8 @@ __all__ = [
     "drift_long_run_variance",
     "drift_critical_value",
     "lag_one_autocorrelation",
+    "look_correlation_estimate",
+    "folded_look_correlation",
     "count_design_effect",
     "dense_block_index",
     "tie_groups",
@@ -195,7 +197,7 @@ def _boundaries_cached(alpha: float, max_looks: int, spending: str) -> tuple[flo
     return _boundaries_at_cached(alpha, tuple(float(k) / max_looks for k in range(1, max_looks + 1)), spending)
 
 
-@lru_cache(maxsize=2048)
+@lru_cache(maxsize=65536)
 def _boundaries_at_cached(alpha: float, fractions: tuple[float, ...], spending: str) -> tuple[float, ...]:
     return _boundary_state(alpha, fractions, spending).boundaries
 
@@ -219,8 +221,9 @@ class _BoundaryState:
 # looks 1..k is cached per prefix: the controller's next look (and every simulated trial's)
 # extends the schedule by one fraction and costs one step of the recursion, not k. Each step
 # is computed exactly as a recursion from scratch would compute it (the same arrays in the
-# same operations), so the boundaries are bit-identical to the uncached ones.
-@lru_cache(maxsize=1024)
+# same operations), so the boundaries are bit-identical to the uncached ones. Simulated trials
+# look at count-dependent fractions: thousands of distinct prefixes, each state ~30 KB.
+@lru_cache(maxsize=8192)
 def _boundary_state(alpha: float, fractions: tuple[float, ...], spending: str) -> _BoundaryState:
     info = np.asarray(fractions, dtype=float)
     k = info.size - 1
@@ -335,7 +338,7 @@ def critical_value(
 ORDER_STATISTIC_BAND_Z = 2.0
 
 
-@lru_cache(maxsize=4096)
+@lru_cache(maxsize=65536)
 def _order_statistic_plan(n: int, q: float, band_z: float) -> tuple[int, float, int, int, float]:
     """(lo index, interpolation fraction, band l index, band u index, z of the band)."""
     position = (n - 1) * q  # Hyndman & Fan type 7 (numpy's default) point estimate
@@ -406,7 +409,7 @@ def log_ratio_interval(
     return log_ratio, se, lower, upper
 
 
-@lru_cache(maxsize=8192)
+@lru_cache(maxsize=65536)
 def exact_rank_band(n: int, q: float, level: float) -> tuple[int, int]:
     """1-based ranks (l, u) of the exact one-sided order-statistic bounds of the q-quantile.
 
@@ -643,6 +646,38 @@ def lag_one_autocorrelation(series: np.ndarray) -> float:
     u = x - x.mean()
     denominator = float(np.sum(u**2))
     return float(np.sum(u[1:] * u[:-1]) / denominator) if denominator > 0.0 else float("nan")
+
+
+#: Looks before a contrast's own look-to-look correlation is read (fewer: too noisy to say anything).
+LOOK_CORRELATION_MIN_LOOKS = 6
+#: The largest look-to-look correlation the critical values are folded up to; a series that looks more
+#: persistent than this (a random walk, a trend) is beyond what any of them covers.
+LOOK_CORRELATION_CEILING = 0.9
+#: Folded correlations are rounded up to this grid: few distinct laws to simulate, none below the estimate.
+LOOK_CORRELATION_STEP = 0.05
+
+
+def look_correlation_estimate(series: np.ndarray) -> float:
+    """The look-to-look correlation of a short time-ordered series, its lag-1 autocorrelation corrected for
+    the small-sample bias (E r ~ rho - (1 + 3 rho) / G, Marriott & Pope 1954, solved for rho); at most 1.
+
+    NaN before `LOOK_CORRELATION_MIN_LOOKS` points or without variance.
+    """
+    x = np.asarray(series, dtype=float).ravel()
+    g = x.size
+    r = lag_one_autocorrelation(x)
+    if g < LOOK_CORRELATION_MIN_LOOKS or not math.isfinite(r):
+        return float("nan")
+    return float(min((g * r + 1.0) / (g - 3.0), 1.0))
+
+
+def folded_look_correlation(estimate: float, planned: float) -> float:
+    """The correlation the critical values hold for: the plan's, or the estimate rounded up to the next
+    `LOOK_CORRELATION_STEP` when it is larger (at most `LOOK_CORRELATION_CEILING`)."""
+    if not math.isfinite(estimate) or estimate <= planned:
+        return planned
+    steps = math.ceil(round(estimate / LOOK_CORRELATION_STEP, 9))
+    return max(planned, min(round(steps * LOOK_CORRELATION_STEP, 3), LOOK_CORRELATION_CEILING))
 
 
 def count_design_effect(events_per_block: np.ndarray, trials_per_block: np.ndarray) -> float:
