@@ -17,28 +17,30 @@ are the run's `gates`); without one, each candidate's case carries its own verdi
 from __future__ import annotations
 
 import xml.etree.ElementTree as ET
+from collections.abc import Mapping
 from datetime import datetime, timezone
 from pathlib import Path
 from typing import Any
 
 from rollout.record.atomic_file import write_atomically
+from rollout.record.document import DecisionDocument, GateRecord
 
 SUITE = "mtp-canary"
 JUNIT_FILE = "junit.xml"
 
 
-def _gate_message(gate: dict[str, Any]) -> str:
+def _gate_message(gate: GateRecord) -> str:
     """One line: verdict, estimate vs threshold, and the gate's own detail."""
-    parts = [f"{gate.get('verdict') or 'missing'}"]
-    if gate.get("estimate") is not None:
-        parts.append(f"estimate {gate['estimate']:.4g}")
-    if gate.get("interval"):
-        lo, hi = gate["interval"]
+    parts = [f"{gate.verdict or 'missing'}"]
+    if gate.estimate is not None:
+        parts.append(f"estimate {gate.estimate:.4g}")
+    if gate.interval:
+        lo, hi = gate.interval
         parts.append(f"interval [{lo:.4g}, {hi:.4g}]")
-    if gate.get("threshold") is not None:
-        parts.append(f"threshold {gate['threshold']:.4g}")
+    if gate.threshold is not None:
+        parts.append(f"threshold {gate.threshold:.4g}")
     head = ", ".join(parts)
-    detail = " ".join(str(gate.get("detail") or "").split())
+    detail = " ".join(str(gate.detail or "").split())
     return f"{head}: {detail}" if detail else head
 
 
@@ -54,41 +56,41 @@ def _case(suite: ET.Element, name: str, classname: str, outcome: str, message: s
     return outcome
 
 
-def junit_xml(doc: dict[str, Any]) -> str:
-    """decision.json as JUnit XML text (see the module docstring for the mapping)."""
-    run_id = str(doc.get("run_id") or "unknown")
+def junit_xml(doc: DecisionDocument | Mapping[str, Any]) -> str:
+    """decision.json as JUnit XML text (see the module docstring for the mapping); a mapping is read as
+    decision.json first (rollout.record.document)."""
+    doc = DecisionDocument.of(doc)
+    run_id = str(doc.run_id or "unknown")
     suite = ET.Element("testsuite", name=SUITE)
     # the schema puts <properties> before the cases
     ET.SubElement(ET.SubElement(suite, "properties"), "property", name="run_id", value=run_id)
     outcomes = []
-    for gate in doc.get("gates") or []:
-        verdict = gate.get("verdict")
-        outcome = {"pass": "passed", "fail": "failure"}.get(verdict, "error")
-        phase = gate.get("phase") or gate.get("metric") or "gate"
-        outcomes.append(_case(suite, str(gate.get("name") or "unnamed gate"), f"{SUITE}.{phase}", outcome, _gate_message(gate)))
-    decision = doc.get("decision")
-    for candidate in doc.get("candidates") or []:
-        own = {"promote": "passed", "rollback": "failure"}.get(candidate.get("decision"), "error")
-        outcome = "passed" if doc.get("winner") and decision == "promote" else own
-        message = f"{candidate.get('decision')} at alpha {candidate.get('alpha')}: {candidate.get('reason')}"
-        outcomes.append(_case(suite, f"candidate {candidate.get('name')}", f"{SUITE}.candidates", outcome, message))
-    reason = " ".join(str(doc.get("reason") or "").split())
-    message = f"{decision or 'error'} (exit {doc.get('exit_code')}) run {run_id}: {reason}".rstrip(": ")
-    decided = {"promote": "passed", "rollback": "failure"}.get(decision, "error") if not doc.get("error") else "error"
+    for gate in doc.gates:
+        outcome = {"pass": "passed", "fail": "failure"}.get(gate.verdict, "error")
+        phase = (gate.model_extra or {}).get("phase") or gate.metric or "gate"
+        outcomes.append(_case(suite, str(gate.name or "unnamed gate"), f"{SUITE}.{phase}", outcome, _gate_message(gate)))
+    for candidate in doc.candidates or []:
+        own = {"promote": "passed", "rollback": "failure"}.get(candidate.decision, "error")
+        outcome = "passed" if doc.winner and doc.decision == "promote" else own
+        message = f"{candidate.decision} at alpha {candidate.alpha}: {candidate.reason}"
+        outcomes.append(_case(suite, f"candidate {candidate.name}", f"{SUITE}.candidates", outcome, message))
+    reason = " ".join(str(doc.reason or "").split())
+    message = f"{doc.decision or 'error'} (exit {doc.exit_code}) run {run_id}: {reason}".rstrip(": ")
+    decided = {"promote": "passed", "rollback": "failure"}.get(doc.decided(), "error")
     outcomes.append(_case(suite, "decision", f"{SUITE}.run", decided, message))
     suite.set("id", run_id)
     suite.set("tests", str(len(outcomes)))
     suite.set("failures", str(outcomes.count("failure")))
     suite.set("errors", str(outcomes.count("error")))
     suite.set("skipped", "0")
-    if isinstance(doc.get("started_at"), (int, float)):
-        started = datetime.fromtimestamp(doc["started_at"], tz=timezone.utc)
+    if doc.started_at is not None:
+        started = datetime.fromtimestamp(doc.started_at, tz=timezone.utc)
         suite.set("timestamp", started.strftime("%Y-%m-%dT%H:%M:%S"))
     ET.indent(suite)
     return '<?xml version="1.0" encoding="UTF-8"?>\n' + ET.tostring(suite, encoding="unicode") + "\n"
 
 
-def write_junit(doc: dict[str, Any], run_dir: Path) -> Path:
+def write_junit(doc: DecisionDocument | Mapping[str, Any], run_dir: Path) -> Path:
     """run_dir/junit.xml, whole or absent (rollout.record.atomic_file)."""
     path = Path(run_dir) / JUNIT_FILE
     write_atomically(path, junit_xml(doc))
