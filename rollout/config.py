@@ -178,6 +178,9 @@ class AccuracyConfig(EvalSpec):
 
     enabled: bool = True
     batch_size: int = Field(16, ge=1, description="items per interim look (early stop on a clear regression)")
+    max_duration_s: float = Field(
+        7200, gt=0, description="the whole phase, every batch to every arm: past it the run ends as an infrastructure "
+        "error naming what each arm still owed (a replica answering each read in time but never finishing)")
 
 
 WORKER_PLACEMENTS = ("local", "auto", "spread", "pack", "node", "label", "resource")
@@ -519,6 +522,9 @@ class RolloutConfig(BaseModel):
         "runtime environment; a local engine.model (the tiny checkpoint) is never staged. null: each server "
         "downloads its model itself",
     )
+    preflight_timeout_s: float = Field(
+        120, gt=0, description="the preflight's smoke round: every replica's answer whole within it (and 1 MiB), "
+        "else the run ends as an infrastructure error naming the replica")
     staging_timeout_s: float = Field(
         STAGING_TIMEOUT_S, gt=0, description="how long weight staging (model_cache) may take on the slowest node"
     )

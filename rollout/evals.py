@@ -24,6 +24,7 @@ import threading
 import time
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor, as_completed
+from concurrent.futures import TimeoutError as FuturesTimeout
 from pathlib import Path
 from typing import Any, Literal
 
@@ -31,6 +32,7 @@ import requests
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
 
 from cluster.arms import ARM_HEADER
+from cluster.bounded_body import read_bounded
 
 GSM8K_DIR = Path(__file__).parent / "data" / "gsm8k"
 GSM8K_TEST = GSM8K_DIR / "test.jsonl"
@@ -43,6 +45,14 @@ GSM8K_STOP = ["Question", "</s>", "<|im_end|>"]
 # A minus sign counts only when it does not follow a word character, so the
 # arithmetic "16-3-4=9" yields 16, 3, 4, 9 rather than -3 and -4, while
 # "is -10" and "=-3" keep their sign (gsm8k has negative gold answers).
+# one eval answer's body: a gsm8k answer of 256 tokens with its token ids is a few KB
+EVAL_MAX_BYTES = 4 << 20
+
+
+class EvalDeadlineError(TimeoutError):
+    """A batch not answered by its deadline; the message names what each arm still owed."""
+
+
 _INTEGER = re.compile(r"(?:(?<!\w)-)?\d+")
 _GOLD_MARKER = "#### "
 
@@ -335,6 +345,7 @@ class _Requester:
         self.arm_header = arm_header
         self._auth = {"Authorization": f"Bearer {token}"} if token else {}
         self._local = threading.local()
+        self.cancelled = threading.Event()  # the phase is past its deadline: reads in flight stop
 
     def _session(self) -> requests.Session:
         session = getattr(self._local, "session", None)
@@ -371,20 +382,25 @@ class _Requester:
         )
 
     def _complete(self, item: EvalItem, arm: str) -> tuple[str, list[int] | None]:
-        response = self._session().post(
+        started = time.monotonic()
+        # each answer whole within request_timeout_s and EVAL_MAX_BYTES: a replica answering every
+        # read in time but never finishing (or never ending its body) fails that item, never hangs
+        with self._session().post(
             self.url,
             json=completion_request(self.model, item, self.spec),
             headers={self.arm_header: arm, **self._auth},
             timeout=self.spec.request_timeout_s,
-        )
+            stream=True,
+        ) as response:
+            body = read_bounded(response, EVAL_MAX_BYTES, self.spec.request_timeout_s, started, self.cancelled)
         if response.status_code != 200:
-            raise RuntimeError(f"HTTP {response.status_code}: {response.text[:300]}")
+            raise RuntimeError(f"HTTP {response.status_code}: {body[:300].decode('utf-8', errors='replace')}")
         # A router answers with the arm that served; an answer from another arm
         # than the pinned one would silently pair the wrong outputs.
         served_by = response.headers.get(self.arm_header)
         if served_by is not None and served_by != arm:
             raise RuntimeError(f"pinned to arm {arm!r} but served by {served_by!r}")
-        choices = response.json().get("choices") or []
+        choices = json.loads(body).get("choices") or []
         if not choices:
             raise RuntimeError("response has no choices")
         choice = choices[0]
@@ -406,6 +422,7 @@ def evaluate_batch(
     arm_header: str = ARM_HEADER,
     on_item_done: Callable[[str, int], None] | None = None,
     token: str | None = None,
+    deadline: float | None = None,
 ) -> dict[str, list[ItemOutcome]]:
     """Every item to every arm (pinned by header), arms at the same time; outcomes in item order per arm.
 
@@ -413,7 +430,9 @@ def evaluate_batch(
     are submitted interleaved (item 0 to every arm, then item 1, ...), so both
     arms see the same items in the same period of time. ``on_item_done(arm,
     done)`` is called on the caller's thread after each completed request.
-    A failed request is an outcome with ``error`` set and ``correct`` False.
+    A failed request is an outcome with ``error`` set and ``correct`` False. ``deadline`` (a
+    monotonic time): past it the reads in flight are cancelled and EvalDeadlineError names what
+    each arm still owed.
     """
     if len(set(arms)) != len(arms):
         raise ValueError(f"arms must be distinct, got {list(arms)}")
@@ -425,17 +444,23 @@ def evaluate_batch(
     outcomes: dict[str, list[ItemOutcome | None]] = {arm: [None] * len(items) for arm in arms}
     done = {arm: 0 for arm in arms}
     finished = False
+    left = None if deadline is None else max(0.0, deadline - time.monotonic())
     try:
         for index, item in enumerate(items):
             for arm in arms:
                 slots[pools[arm].submit(requester.run, item, arm)] = (arm, index)
-        for future in as_completed(slots):
+        for future in as_completed(slots, timeout=left):
             arm, index = slots[future]
             outcomes[arm][index] = future.result()  # run() records its own failures
             done[arm] += 1
             if on_item_done is not None:
                 on_item_done(arm, done[arm])
         finished = True
+    except FuturesTimeout:
+        requester.cancelled.set()  # each read in flight ends at its next byte (silence: the router cuts it)
+        owed = {arm: sum(o is None for o in outcomes[arm]) for arm in arms}
+        raise EvalDeadlineError("; ".join(f"{arm}: {n} of {len(items)} items unanswered"
+                                          for arm, n in owed.items() if n)) from None
     finally:
         # On an exception (e.g. KeyboardInterrupt) drop the queued requests and
         # do not wait for the in-flight ones (each may take request_timeout_s).

@@ -12,7 +12,7 @@ import numpy as np
 
 from cluster.arms import BASELINE, CANARY
 from rollout.config import TWIN
-from rollout.evals import EvalItem, EvalSpec, ItemOutcome, evaluate_batch, load_items, outputs_differ
+from rollout.evals import EvalDeadlineError, EvalItem, EvalSpec, ItemOutcome, evaluate_batch, load_items, outputs_differ
 from rollout.judge.accuracy import judge_accuracy, judge_divergence
 from rollout.judge.candidates import candidate_gates
 from rollout.judge.config import GatesConfig
@@ -132,9 +132,15 @@ class Accuracy:
         # one-canary run there (the batches go on for the others)
         regressed: dict[str, tuple[GateResult, GateResult]] = {}
         watch = ReplicaWatch("accuracy", ctx.replicas_alive)
+        limit_s = ctx.cfg.accuracy.max_duration_s
+        deadline = time.monotonic() + limit_s  # the whole phase: each request's own timeout is no bound on it
         for start in range(0, len(items), batch_size):
             batch = items[start : start + batch_size]
-            got = evaluate_batch(ctx.router.url, ctx.served_model, batch, arms, spec, token=ctx.router.token)
+            try:
+                got = evaluate_batch(ctx.router.url, ctx.served_model, batch, arms, spec, token=ctx.router.token,
+                                     deadline=deadline)
+            except EvalDeadlineError as exc:
+                raise InfrastructureError(f"accuracy: not done within accuracy.max_duration_s ({limit_s:g} s): {exc}") from None
             for arm in arms:
                 outcomes[arm].extend(got[arm])
                 ctx.store.add_eval_outcomes(ctx.run_id, got[arm])

@@ -9,16 +9,21 @@ called by the config's validation): here only what the servers logged is recorde
 
 from __future__ import annotations
 
+import json
+import time
+from concurrent.futures import ThreadPoolExecutor, wait
+
 import requests
 
 from cluster.arms import CANARY
+from cluster.bounded_body import BodyDeadlineError, BodyLimitError, read_bounded
 from rollout.engine_parity import SERVER_LOG_NEEDLES, engine_run_from_log
 from rollout.judge.verdicts import Decision, GateResult, Verdict
 from rollout.record.result import PreflightSummary
 from rollout.run.context import InfrastructureError, RunContext
 
 SMOKE_PROMPT = "Question: 1 + 1?\nAnswer:"
-SMOKE_TIMEOUT_S = 120
+SMOKE_MAX_BYTES = 1 << 20  # an answer of 8 tokens is well under a KiB
 SAME_MTP_LAYER = "same MTP layer"  # vLLM's warning when k > 1 drafts reuse one MTP layer
 
 
@@ -31,7 +36,7 @@ class Preflight:
     def run(self, ctx: RunContext) -> None:
         ctx.say("preflight: smoke request to every replica")
         fleet = ctx.fleet
-        answers = {handle.name: self._smoke(handle, ctx.served_model, fleet.upstream_key(handle)) for handle in fleet.replicas}
+        answers = smoke_every_replica(fleet, ctx.served_model, ctx.cfg.preflight_timeout_s)
         metrics = fleet.metrics()
         missing = [h.name for h in fleet.replicas if h.name not in metrics]
         if missing:
@@ -79,20 +84,6 @@ class Preflight:
                 ctx.result.arms[handle.arm].setdefault("environment", {})[handle.name] = environments[handle.name]
 
     @staticmethod
-    def _smoke(handle, model: str, api_key: str | None) -> int:
-        try:
-            response = requests.post(
-                f"{handle.url}/v1/completions",
-                json={"model": model, "prompt": SMOKE_PROMPT, "max_tokens": 8, "temperature": 0},
-                headers={"Authorization": f"Bearer {api_key}"} if api_key else None,
-                timeout=SMOKE_TIMEOUT_S,
-            )
-            response.raise_for_status()
-            return response.json()["usage"]["completion_tokens"]
-        except (requests.RequestException, KeyError, ValueError) as exc:
-            raise InfrastructureError(f"preflight: replica {handle.name} did not answer: {exc}") from None
-
-    @staticmethod
     def _check_candidates(ctx: RunContext, metrics) -> None:
         """Each candidate's drafts (decision.json arms.<candidate>.preflight_drafts); a speculative
         candidate that never drafted loses (its preflight_speculation gate fails), the others go on."""
@@ -126,3 +117,38 @@ def _no_drafts_gate(drafts: float, arm: str) -> GateResult:
         verdict=Verdict.FAIL,
         detail=f"{arm} is configured to speculate but produced no drafts in preflight",
     )
+
+
+def smoke_every_replica(fleet, model: str, deadline_s: float) -> dict[str, int]:
+    """replica name -> the completion tokens of its smoke answer. Every replica is asked at once and
+    each answer read whole within deadline_s (preflight_timeout_s) and SMOKE_MAX_BYTES: a replica
+    that trickles its answer or never ends it cannot hold the run. InfrastructureError names the
+    first replica, in the fleet's order, that did not answer."""
+    replicas = list(fleet.replicas)
+    started = time.monotonic()
+    pool = ThreadPoolExecutor(max_workers=max(1, len(replicas)), thread_name_prefix="smoke")
+    try:
+        futures = [pool.submit(_smoke, h, model, fleet.upstream_key(h), started, deadline_s) for h in replicas]
+        wait(futures)  # each ends by itself: every read and the whole answer within deadline_s
+    finally:
+        pool.shutdown(wait=False, cancel_futures=True)
+    return {handle.name: future.result() for handle, future in zip(replicas, futures)}
+
+
+def _smoke(handle, model: str, api_key: str | None, started: float, deadline_s: float) -> int:
+    late = f"preflight: replica {handle.name} did not answer within preflight_timeout_s ({deadline_s:g} s)"
+    try:
+        with requests.post(
+            f"{handle.url}/v1/completions",
+            json={"model": model, "prompt": SMOKE_PROMPT, "max_tokens": 8, "temperature": 0},
+            headers={"Authorization": f"Bearer {api_key}"} if api_key else None,
+            timeout=deadline_s,
+            stream=True,
+        ) as response:
+            response.raise_for_status()
+            body = read_bounded(response, SMOKE_MAX_BYTES, deadline_s, started)
+        return json.loads(body)["usage"]["completion_tokens"]
+    except (requests.Timeout, BodyDeadlineError):
+        raise InfrastructureError(late) from None
+    except (requests.RequestException, BodyLimitError, KeyError, TypeError, ValueError) as exc:
+        raise InfrastructureError(f"preflight: replica {handle.name} did not answer: {exc}") from None
