@@ -32,6 +32,7 @@ from matplotlib.figure import Figure
 
 from loadtests.records import RequestRecord, read_records
 from rollout.record.atomic_file import write_atomically
+from rollout.record.result import wholly_ejected_line
 from rollout.judge.latency import latency_samples_from_records
 from rollout.judge.names import ACCURACY_NAME, DIVERGENCE_NAME, OBJECTIVE_NAME
 from rollout.judge.stats import mover_log_ratio_bounds, quantile_band
@@ -133,8 +134,9 @@ def decision_sentence(doc: dict[str, Any]) -> str:
 
 def _decision(doc: dict[str, Any], run_dir: Path) -> list[str]:
     cls = doc.get("decision") or "error"
+    out = wholly_ejected_line(doc)
     return [f'<h1>mtp-canary run {_esc(doc.get("run_id"))} ({_esc(doc.get("name"))})</h1>',
-            f'<p id="decision" class="{_esc(cls)}">{_esc(decision_sentence(doc))}</p>']
+            f'<p id="decision" class="{_esc(cls)}">{_esc(decision_sentence(doc))}</p>'] + ([_note(f"An arm was out: {out}.")] if out else [])
 
 
 def _candidates(doc: dict[str, Any], run_dir: Path) -> list[str]:

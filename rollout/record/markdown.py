@@ -16,7 +16,7 @@ from rollout.judge.names import OBJECTIVE_NAME
 from rollout.analysis.load_sweep import crossover_line, sweep_table
 from rollout.record.pipeline_artifacts import write_pipeline_artifacts
 from rollout.record.html import write_html_report
-from rollout.record.result import RunResult, decision_document
+from rollout.record.result import RunResult, decision_document, wholly_ejected_line
 
 
 def _num(value: Any, digits: int = 3) -> str:
@@ -54,6 +54,9 @@ def _arms(doc: dict[str, Any]) -> list[str]:
         lines.append(
             f"| {arm} | {info['replicas']} | `{engine['model']}` | `{json.dumps(engine.get('speculative_config'))}` |"
         )
+    out = wholly_ejected_line(doc)
+    if out:
+        lines += ["", f"**An arm was out**: {out}."]
     prepare = doc.get("prepare") or {}
     if prepare.get("tiny_model"):
         lines += ["", f"Tiny model: {prepare['tiny_model'].get('reason', prepare['tiny_model'])}"]

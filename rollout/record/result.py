@@ -287,6 +287,9 @@ class RunResult:
     # several candidates: how far choosing the lowest of K ratios may have flattered the winner's
     # (rollout.judge.selection); None otherwise (decision.json then leaves the key out)
     winner_note: str | None = None
+    # arm -> requests the router answered 503 because every replica of the arm was ejected at once
+    # (cluster.router wholly_ejected); None or empty: no arm was ever wholly out
+    wholly_ejected: dict[str, int] | None = None
 
     @property
     def exit_code(self) -> int:
@@ -327,6 +330,7 @@ class RunResult:
                                if doc.get("detectable_effect") is not None else None),
             attempts=doc.get("attempts"),
             winner_note=doc.get("winner_note"),
+            wholly_ejected=doc.get("wholly_ejected"),
         )
 
 
@@ -371,7 +375,19 @@ def decision_document(result: RunResult) -> dict[str, Any]:
         doc["attempts"] = result.attempts
     if result.winner_note is not None:
         doc["winner_note"] = result.winner_note
+    if result.wholly_ejected:
+        doc["wholly_ejected"] = result.wholly_ejected
     if result.candidates is not None:
         doc["candidates"] = [c.model_dump(mode="json") for c in result.candidates]
         doc["winner"] = result.winner
     return redact_document(doc, known_secrets(result.config.model_dump(mode="json")))
+
+
+def wholly_ejected_line(doc: dict[str, Any]) -> str | None:
+    """The report's line for an arm whose every replica the router ejected at once (None: none was)."""
+    out = doc.get("wholly_ejected") or {}
+    if not out:
+        return None
+    arms = ", ".join(f"{arm} ({n} request{'s' if n != 1 else ''} answered 503)" for arm, n in sorted(out.items()))
+    return (f"Every replica of an arm was ejected at once: {arms}; those requests count as the arm's errors, "
+            "and its latency figures hold only what it served")

@@ -57,7 +57,7 @@ from rollout.run.phases.sweep import Sweep
 from rollout.record.redact import REDACTED, known_secrets, redact_config, redact_url, scrub
 from rollout.run.interrupts import INTERRUPTS, Interrupted
 from rollout.record.markdown import regenerate_reports
-from rollout.record.result import RunResult, UsageSummary, decision_document
+from rollout.record.result import RunResult, UsageSummary, decision_document, wholly_ejected_line
 from rollout.run.resume import CONTROLLER_RESUME, ResumePoint, load_resume_point
 from rollout.run.context import InfrastructureError, LeaseKeeper, Progress, RunContext, run_namespace
 from rollout.run.run_id import run_id_error
@@ -288,6 +288,7 @@ class Controller:
     # -- the end -----------------------------------------------------------------
     def _teardown(self) -> None:
         ctx = self.ctx
+        self._note_wholly_ejected()
         if ctx.cfg.keep_fleet and ctx.result.error is None:
             ctx.leases.release()
             url = ctx.router.url if ctx.router is not None else None
@@ -302,6 +303,15 @@ class Controller:
         if ctx.fleet is not None:
             ctx.fleet.teardown()
             ctx.fleet = None
+
+    def _note_wholly_ejected(self) -> None:
+        """Requests the router refused because every replica of an arm was out at once, read before the
+        router stops: the record says the arm was out (its latency holds only what it served)."""
+        ctx = self.ctx
+        out = ctx.router.wholly_ejected() if ctx.router is not None else None
+        if out:
+            ctx.result.wholly_ejected = {**(ctx.result.wholly_ejected or {}), **out}
+            ctx.say(f"router: WARNING: {wholly_ejected_line({'wholly_ejected': ctx.result.wholly_ejected})}")
 
     def _record_end(self, completed: bool) -> None:
         ctx, result = self.ctx, self.ctx.result
