@@ -6,6 +6,7 @@ or `resume` starts a second controller on its fleet. The reader's clock is injec
 
 from __future__ import annotations
 
+import json
 import threading
 import time
 
@@ -82,3 +83,24 @@ def test_status_watch_does_not_call_a_beating_controller_gone_when_the_clock_ste
         thread.join()
         decided.join()
     assert code == 3  # it watched until the run decided, not exit 1 for a "gone" controller
+
+
+def test_one_shot_status_does_not_call_a_beating_controller_gone_when_the_clock_steps(away_run, monkeypatch, capsys):
+    monkeypatch.setattr(store_module, "wall_clock", lambda: time.time() + 86400)
+    stop = threading.Event()
+    thread = beating(away_run, stop)
+    try:
+        time.sleep(0.5)
+        assert main(["status", "r-away", "--runs-dir", str(away_run.path.parent), "--json"]) == 0
+    finally:
+        stop.set()
+        thread.join()
+    out = capsys.readouterr().out
+    assert json.loads(out)["controller_alive"] is True  # its beats moved on this process's clock
+
+
+def test_one_shot_status_calls_a_silent_controller_on_another_host_gone(away_run, capsys):
+    away_run.heartbeat("r-away")
+    away_run.update_run("r-away", heartbeat_at=time.time() - 3600)
+    assert main(["status", "r-away", "--runs-dir", str(away_run.path.parent)]) == 0
+    assert f"controller {AWAY} is gone" in capsys.readouterr().out

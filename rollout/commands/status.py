@@ -22,7 +22,9 @@ def run(args: argparse.Namespace) -> int:
         return EXIT_USAGE
     from rollout.run.status import run_status
 
-    doc = run_status(store, args.run_id)
+    # one-shot: a controller on another host that looks gone by the wall clocks is watched for two
+    # beats first (--watch confirms a stale one the same way before it exits)
+    doc = run_status(store, args.run_id) if args.watch else run_status(store, args.run_id, watch_beats=True)
     if doc is None:
         print(f"mtp-canary status: no run {args.run_id!r} in {args.runs_dir}", file=sys.stderr)
         return EXIT_USAGE

@@ -34,7 +34,7 @@ def committed_gates(phase: str, result: Any) -> tuple[list[GateResult], int | No
     return [], None
 
 
-def run_status(store: RunStore, run_id: str) -> dict | None:
+def run_status(store: RunStore, run_id: str, watch_beats: bool = False) -> dict | None:
     """The status document of a run (what `status --json` prints), or None if unknown."""
     run = store.run(run_id)
     if run is None:
@@ -82,5 +82,8 @@ def run_status(store: RunStore, run_id: str) -> dict | None:
         "latest_gates": list(latest.values()),
         "last_event": events[-1] if events else None,
         "controller": run.get("controller"),
-        "controller_alive": run_controller_alive(run) if run["status"] == "running" else None,
+        # watch_beats: a controller on another host whose heartbeat looks stale by the wall clocks is
+        # watched for two beats on this process's monotonic clock before it is called gone (one-shot
+        # status; --watch confirms a stale one the same way before it exits)
+        "controller_alive": run_controller_alive(run, store if watch_beats else None) if run["status"] == "running" else None,
     }
