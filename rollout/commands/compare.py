@@ -19,9 +19,12 @@ import argparse
 import json
 import sys
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from rollout.commands.arguments import parse_alone
+
+if TYPE_CHECKING:  # the document model imports pydantic and the judge: read_run imports it when run
+    from rollout.record.document import DecisionDocument, GateRecord
 
 EXIT_USAGE = 2
 DECISION = "decision.json"
@@ -32,8 +35,10 @@ class RunNotReadable(ValueError):
     """A run given to compare has no readable decision.json (the message names the path and cause)."""
 
 
-def read_run(ref: str, runs_dir: Path) -> dict[str, Any]:
+def read_run(ref: str, runs_dir: Path) -> DecisionDocument:
     """The decision.json of a run directory, or of a run id under ``runs_dir``."""
+    from rollout.record.document import BadDocument, DecisionDocument
+
     path = Path(ref)
     candidates = [path / DECISION, runs_dir / ref / DECISION] if path.is_dir() or not path.suffix else [path]
     for candidate in candidates:
@@ -44,13 +49,16 @@ def read_run(ref: str, runs_dir: Path) -> dict[str, Any]:
                 raise RunNotReadable(f"{candidate}: not a decision.json ({type(exc).__name__}: {exc})") from None
             if not isinstance(doc, dict) or "decision" not in doc:
                 raise RunNotReadable(f"{candidate}: not a decision.json (no 'decision' key)")
-            return doc
+            try:
+                return DecisionDocument.of(doc)
+            except BadDocument as exc:
+                raise RunNotReadable(f"{candidate}: {exc}") from None
     raise RunNotReadable(f"{ref}: no {DECISION} (neither a run directory nor a run id in {runs_dir})")
 
 
-def _gates(doc: dict[str, Any]) -> dict[str, dict[str, Any]]:
+def _gates(doc: DecisionDocument) -> dict[str, GateRecord]:
     """The last judgement of each gate (decision.json lists the deciding ones)."""
-    return {g["name"]: g for g in doc.get("gates") or [] if isinstance(g, dict) and "name" in g}
+    return {g.name: g for g in doc.gates if g.name is not None}
 
 
 def _change(a: float | None, b: float | None) -> float | None:
@@ -60,21 +68,26 @@ def _change(a: float | None, b: float | None) -> float | None:
     return b / a
 
 
-def comparison(a: dict[str, Any], b: dict[str, Any]) -> dict[str, Any]:
+def _judged(gate: GateRecord | None) -> dict[str, Any]:
+    return {"verdict": gate.verdict if gate else None, "estimate": gate.estimate if gate else None,
+            "interval": gate.interval if gate else None}
+
+
+def _run(doc: DecisionDocument) -> dict[str, Any]:
+    return {"run_id": doc.run_id, "decision": doc.decision, "exit_code": doc.exit_code, "reason": doc.reason}
+
+
+def comparison(a: DecisionDocument, b: DecisionDocument) -> dict[str, Any]:
     """Everything compare prints, as data (pure: two decision documents in)."""
     gates_a, gates_b = _gates(a), _gates(b)
     gates = []
     for name in sorted(set(gates_a) | set(gates_b)):
-        ga, gb = gates_a.get(name, {}), gates_b.get(name, {})
-        gates.append({
-            "gate": name,
-            "a": {"verdict": ga.get("verdict"), "estimate": ga.get("estimate"), "interval": ga.get("interval")},
-            "b": {"verdict": gb.get("verdict"), "estimate": gb.get("estimate"), "interval": gb.get("interval")},
-            "verdict_changed": ga.get("verdict") != gb.get("verdict"),
-        })
+        ga, gb = gates_a.get(name), gates_b.get(name)
+        gates.append({"gate": name, "a": _judged(ga), "b": _judged(gb),
+                      "verdict_changed": (ga.verdict if ga else None) != (gb.verdict if gb else None)})
     latency = []
-    lat_a = ((a.get("experiment") or {}).get("latency_ms")) or {}
-    lat_b = ((b.get("experiment") or {}).get("latency_ms")) or {}
+    lat_a = a.experiment.latency_ms if a.experiment else {}
+    lat_b = b.experiment.latency_ms if b.experiment else {}
     for arm in sorted(set(lat_a) | set(lat_b)):
         for key in LATENCY_KEYS:
             va, vb = (lat_a.get(arm) or {}).get(key), (lat_b.get(arm) or {}).get(key)
@@ -82,24 +95,21 @@ def comparison(a: dict[str, Any], b: dict[str, Any]) -> dict[str, Any]:
                 continue
             latency.append({"arm": arm, "metric": key, "a_ms": va, "b_ms": vb, "b_over_a": _change(va, vb)})
     acceptance = []
-    spec_a, spec_b = a.get("spec_decode") or {}, b.get("spec_decode") or {}
-    for arm in sorted(set(spec_a) | set(spec_b)):
-        sa, sb = spec_a.get(arm) or {}, spec_b.get(arm) or {}
+    for arm in sorted(set(a.spec_decode) | set(b.spec_decode)):
+        sa, sb = a.spec_decode.get(arm), b.spec_decode.get(arm)
         acceptance.append({
             "arm": arm,
-            "a_mean_acceptance_length": sa.get("mean_acceptance_length"),
-            "b_mean_acceptance_length": sb.get("mean_acceptance_length"),
-            "a_per_position": sa.get("per_position"),
-            "b_per_position": sb.get("per_position"),
+            "a_mean_acceptance_length": sa.mean_acceptance_length if sa else None,
+            "b_mean_acceptance_length": sb.mean_acceptance_length if sb else None,
+            "a_per_position": sa.per_position if sa else None,
+            "b_per_position": sb.per_position if sb else None,
         })
-    timings = {
-        key: {"a_s": (a.get("timings") or {}).get(key), "b_s": (b.get("timings") or {}).get(key)}
-        for key in sorted(set(a.get("timings") or {}) | set(b.get("timings") or {}))
-    }
+    timings = {key: {"a_s": a.timings.get(key), "b_s": b.timings.get(key)}
+               for key in sorted(set(a.timings) | set(b.timings))}
     return {
-        "a": {"run_id": a.get("run_id"), "decision": a.get("decision"), "exit_code": a.get("exit_code"), "reason": a.get("reason")},
-        "b": {"run_id": b.get("run_id"), "decision": b.get("decision"), "exit_code": b.get("exit_code"), "reason": b.get("reason")},
-        "decision_changed": a.get("decision") != b.get("decision"),
+        "a": _run(a),
+        "b": _run(b),
+        "decision_changed": a.decision != b.decision,
         "gates": gates,
         "latency": latency,
         "acceptance": acceptance,

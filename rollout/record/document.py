@@ -15,13 +15,17 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from rollout.judge.power import DetectableEffect
 from rollout.record.result import (AccuracySummary, ExperimentSummary, PreflightSummary, PrepareSummary,
                                    ProgressiveSummary, SpecDecodeSummary, UsageSummary)
 
 DECISION_FILE = "decision.json"
+
+
+class BadDocument(ValueError):
+    """A mapping that is not a decision document; the message is one line naming the first bad field."""
 
 
 class Record(BaseModel):
@@ -147,14 +151,21 @@ class DecisionDocument(Record):
 
     @classmethod
     def of(cls, doc: "DecisionDocument | Mapping[str, Any]") -> "DecisionDocument":
-        """The typed document, from itself or from decision.json's mapping (validated here)."""
-        return doc if isinstance(doc, cls) else cls.model_validate(doc)
+        """The typed document, from itself or from decision.json's mapping (BadDocument when it is not one)."""
+        if isinstance(doc, cls):
+            return doc
+        try:
+            return cls.model_validate(doc)
+        except ValidationError as exc:
+            first = exc.errors()[0]
+            where = ".".join(str(part) for part in first["loc"]) or "the document"
+            raise BadDocument(f"not a decision.json: {where}: {first['msg']}") from None
 
     @classmethod
     def read(cls, path: Path) -> "DecisionDocument":
         """A decision.json file, or a run directory holding one (OSError, ValueError when unreadable)."""
         path = Path(path)
-        return cls.model_validate(json.loads((path / DECISION_FILE if path.is_dir() else path).read_text()))
+        return cls.of(json.loads((path / DECISION_FILE if path.is_dir() else path).read_text()))
 
     def decided(self) -> str | None:
         """The run's decision, None when an error decided nothing (whatever `decision` says)."""
