@@ -4,12 +4,51 @@ from __future__ import annotations
 
 import argparse
 import json
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 from rollout.commands.arguments import EXIT_USAGE, local_time, open_store
 
 if TYPE_CHECKING:
-    pass
+    from rollout.run.store import RunStore
+
+
+@dataclass(frozen=True)
+class HistoryRow:
+    """One run of a runs directory, as `history` prints it."""
+
+    run_id: str
+    model: str
+    arms: str  # "baseline k=1 x1, canary k=3 x1" (rollout.commands.history._arms_of)
+    decision: str  # the run's decision, else its status (running, failed, ...)
+    stable: bool  # the model's stable run (promoted and marked)
+    attempt: int  # which run of the same comparison this was (1-based), of `attempts`
+    attempts: int
+    created_at: float | None
+    reason: str  # on one line
+
+    def line(self) -> str:
+        stable = " (stable)" if self.stable else ""
+        # a comparison asked again spends its alpha again: which attempt at it this run was
+        tries = f"  attempt {self.attempt}/{self.attempts}" if self.attempts > 1 else ""
+        return (f"{self.run_id}  {self.model}  [{self.arms}]  {self.decision}{stable}{tries}  "
+                f"{local_time(self.created_at)}  {self.reason}")
+
+
+def history_rows(store: "RunStore") -> list[HistoryRow]:
+    """Every run of the store, oldest first, typed."""
+    from rollout.run.store import same_question_runs
+
+    stable = store.stable_run_ids()
+    rows = []
+    for run in store.runs():
+        same = [r["run_id"] for r in same_question_runs(store, run["run_id"])]
+        rows.append(HistoryRow(
+            run_id=run["run_id"], model=run["model"], arms=_arms_of(run["config_json"]),
+            decision=run["decision"] or run["status"], stable=run["run_id"] in stable,
+            attempt=same.index(run["run_id"]) + 1 if run["run_id"] in same else 1, attempts=max(len(same), 1),
+            created_at=run["created_at"], reason=" ".join((run["reason"] or "").split())))
+    return rows
 
 
 def _arms_of(config_json: str | None) -> str:
@@ -43,17 +82,6 @@ def run(args: argparse.Namespace) -> int:
     store = open_store(args.runs_dir, "history")
     if store is None:
         return EXIT_USAGE
-    from rollout.run.store import same_question_runs
-
-    stable = store.stable_run_ids()
-    for run in store.runs():
-        decision = run["decision"] or run["status"]
-        if run["run_id"] in stable:
-            decision += " (stable)"
-        # a comparison asked again spends its alpha again: which attempt at it this run was
-        same = [r["run_id"] for r in same_question_runs(store, run["run_id"])]
-        tries = f"  attempt {same.index(run['run_id']) + 1}/{len(same)}" if len(same) > 1 else ""
-        why = " ".join((run["reason"] or "").split())
-        print(f"{run['run_id']}  {run['model']}  [{_arms_of(run['config_json'])}]  {decision}{tries}  "
-              f"{local_time(run['created_at'])}  {why}")
+    for row in history_rows(store):
+        print(row.line())
     return 0
