@@ -308,7 +308,7 @@ def fetch_decision(outcome: Outcome, fetch_dir: Path | None, decision_out: Path 
             write_atomically(decision_out, text)
         if junit is not None:
             write_atomically(junit, artifacts["junit"].read_text())
-    except OSError as exc:
+    except (OSError, ValueError) as exc:  # ValueError: rollout.record.document.BadDocument, a document not ours
         print(f"mtp-canary submit: cannot write the fetched decision: {exc}; exit 1", file=sys.stderr)
         return EXIT_INFRASTRUCTURE
     print(f"mtp-canary submit: decision.json of run {run_id} ({doc.get('decision') or 'error'}) -> "
