@@ -648,6 +648,8 @@ def lag_one_autocorrelation(series: np.ndarray) -> float:
     return float(np.sum(u[1:] * u[:-1]) / denominator) if denominator > 0.0 else float("nan")
 
 
+#: gates.look_correlation_max's default: the laws every run's critical values are drawn from.
+LOOK_CORRELATION_DEFAULT = 0.5
 #: Looks before a contrast's own look-to-look correlation is read (fewer: too noisy to say anything).
 LOOK_CORRELATION_MIN_LOOKS = 6
 #: The largest look-to-look correlation the critical values are folded up to; a series that looks more
@@ -740,7 +742,10 @@ def drift_critical_value(level: float, looks: int, correlation: float) -> float:
         return math.inf
     if level >= 0.5:
         return 0.0
-    grid = (0.0,) if correlation <= 0.0 else (0.0, correlation / 2.0, correlation)
+    # a correlation folded above the plan's default (`folded_look_correlation`) adds its own law to the default's
+    # grid: the quantiles rise with the correlation, so the laws in between add nothing but simulation time
+    base = min(correlation, LOOK_CORRELATION_DEFAULT)
+    grid = (0.0,) if correlation <= 0.0 else tuple(sorted({0.0, base / 2.0, base, correlation}))
     quantiles = np.max([_drift_null_quantiles(int(looks), round(float(rho), 3)) for rho in grid], axis=0)
     log_levels, log_values = np.log(_DRIFT_LEVELS), np.log(np.maximum(quantiles, 1e-12))
     x = math.log(max(level, 1e-300))
