@@ -236,7 +236,7 @@ def test_status_shows_each_candidates_gates_of_each_look(tmp_path):
     look = {name: [gate(OBJECTIVE_NAME, verdict, ratio).model_dump(mode="json")]
             for name, verdict, ratio in (("k2", Verdict.INCONCLUSIVE, 0.7), ("k3", Verdict.PASS, 0.5))}
     store.put_phase_result("c", "experiment_candidates", 1, look)
-    latest = {g["name"]: g["verdict"] for g in run_status(store, "c")["latest_gates"]}
+    latest = {g.name: g.verdict for g in run_status(store, "c").latest_gates}
     assert latest == {f"k2/{OBJECTIVE_NAME}": "inconclusive", f"k3/{OBJECTIVE_NAME}": "pass"}
 
 

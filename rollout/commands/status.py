@@ -6,12 +6,13 @@ import argparse
 import json
 import sys
 import time
+from dataclasses import replace
 from typing import TYPE_CHECKING
 
 from rollout.commands.arguments import EXIT_USAGE, local_time, open_store, refuse_run_id
 
 if TYPE_CHECKING:
-    pass
+    from rollout.run.status import RunStatus
 
 
 def run(args: argparse.Namespace) -> int:
@@ -35,12 +36,12 @@ def run(args: argparse.Namespace) -> int:
     # status changes, until the run is decided or its controller is gone; exits as `run` does
     last = None
     while True:
-        shown = {k: v for k, v in doc.items() if k != "updated_at"}  # the heartbeat moves it
+        shown = replace(doc, updated_at=0.0)  # the heartbeat moves it
         if shown != last:
             print(f"--- {time.strftime('%H:%M:%S')}", flush=True)
             _print_status(doc, args.json)
             last = shown
-        if doc["status"] != "running" or (doc["controller_alive"] is False and _confirmed_gone(store, args.run_id)):
+        if doc.status != "running" or (doc.controller_alive is False and _confirmed_gone(store, args.run_id)):
             return _watched_exit_code(doc)
         time.sleep(args.interval_s)
         doc = run_status(store, args.run_id)
@@ -55,36 +56,36 @@ def _confirmed_gone(store, run_id: str) -> bool:
     return run is not None and run_controller_alive(run, store) is False
 
 
-def _watched_exit_code(doc: dict) -> int:
+def _watched_exit_code(doc: RunStatus) -> int:
     """What `run` exited with for this run (stored with its decision), or 1 for a controller
     that died before it decided."""
     from rollout.record.result import EXIT_INFRASTRUCTURE
 
-    return doc["exit_code"] if doc["status"] != "running" and doc["exit_code"] is not None else EXIT_INFRASTRUCTURE
+    return doc.exit_code if doc.status != "running" and doc.exit_code is not None else EXIT_INFRASTRUCTURE
 
 
-def _print_status(doc: dict, as_json: bool) -> None:
+def _print_status(doc: RunStatus, as_json: bool) -> None:
     if as_json:
-        print(json.dumps(doc, indent=2, default=str), flush=True)
+        print(json.dumps(doc.document(), indent=2, default=str), flush=True)
         return
-    weight = "-" if doc["canary_weight"] is None else f"{doc['canary_weight']:g}%"
-    step = "-" if doc["step"] is None else str(doc["step"])
-    state = doc["decision"] or doc["status"]
-    print(f"run {doc['run_id']} ({doc['model']}): {state}{' (PAUSED)' if doc['paused'] else ''}")
-    print(f"  phase {doc['phase'] or '-'}, step {step}, canary weight {weight}")
-    if doc["controller_alive"] is False:
-        print(f"  controller {doc['controller']} is gone: `mtp-canary resume {doc['run_id']}` continues the run")
-    if doc["pending_commands"]:
-        print(f"  pending commands: {', '.join(doc['pending_commands'])}")
-    if doc["reason"]:
-        print(f"  reason: {doc['reason']}")
-    if doc["latest_gates"]:
+    weight = "-" if doc.canary_weight is None else f"{doc.canary_weight:g}%"
+    step = "-" if doc.step is None else str(doc.step)
+    state = doc.decision or doc.status
+    print(f"run {doc.run_id} ({doc.model}): {state}{' (PAUSED)' if doc.paused else ''}")
+    print(f"  phase {doc.phase or '-'}, step {step}, canary weight {weight}")
+    if doc.controller_alive is False:
+        print(f"  controller {doc.controller} is gone: `mtp-canary resume {doc.run_id}` continues the run")
+    if doc.pending_commands:
+        print(f"  pending commands: {', '.join(doc.pending_commands)}")
+    if doc.reason:
+        print(f"  reason: {doc.reason}")
+    if doc.latest_gates:
         print("  gates (latest look of each):")
-        for gate in doc["latest_gates"]:
-            print(f"    {gate['phase']:<17} {gate['name']:<26} {gate['verdict']:<12} {gate['detail'][:100]}")
-    if doc["last_event"]:
-        e = doc["last_event"]
-        print(f"  last event: {local_time(e['time'])} {e['phase']} {e['event']} {e['reason'] or ''}".rstrip())
+        for gate in doc.latest_gates:
+            print(f"    {gate.phase:<17} {gate.name:<26} {gate.verdict:<12} {gate.detail[:100]}")
+    if doc.last_event:
+        e = doc.last_event
+        print(f"  last event: {local_time(e.time)} {e.phase} {e.event} {e.reason or ''}".rstrip())
     sys.stdout.flush()
 
 

@@ -186,7 +186,8 @@ class RunCollector(Collector):
             if run is None:
                 return
             results = store.all_phase_results(self.run_id)
-            paused = bool((run_status(store, self.run_id) or {}).get("paused"))
+            status = run_status(store, self.run_id)
+            paused = status is not None and status.paused
         finally:
             store.close()
         yield from run_families(self.run_id, run, results, paused)
