@@ -248,7 +248,7 @@ def test_report_html_of_a_run_with_candidates_and_a_sweep_on_the_winner(tmp_path
 
     recorded = json.loads((REPO / "tests" / "data" / "recorded_runs" / "promote" / "decision.json").read_text())
     doc = candidates_document("k3")
-    doc["experiment"] = {"sweep": recorded["experiment"]["sweep"]}  # the sweep's arms: baseline and canary (the winner)
+    doc["experiment"] = recorded["experiment"]  # with a sweep whose arms are baseline and canary (the winner)
     engine = {"model": "tiny", "served_model_name": "tiny", "speculative_config": {"num_speculative_tokens": 1}}
     # decision.json's arms of such a run, in its order: the baseline, each candidate, then the winner's seat
     doc["arms"] = {arm: {"replicas": 1, "engine": engine} for arm in ("baseline", "k2", "k3", "canary")}

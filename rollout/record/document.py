@@ -138,6 +138,7 @@ class DecisionDocument(Record):
     winner_note: str | None = None
     candidates: list[CandidateRecord] | None = None
     winner: str | None = None
+    wholly_ejected: dict[str, int] | None = None  # arm -> requests answered 503 with every replica out
 
     @field_validator("prepare", mode="before")
     @classmethod
