@@ -80,3 +80,40 @@ def auto_worker_options(nodes: Sequence[dict[str, Any]]) -> dict[str, Any]:
     if chosen is None:
         return {"scheduling_strategy": "SPREAD"}
     return {"scheduling_strategy": "SPREAD", "label_selector": {"ray.io/node-id": f"in({','.join(chosen)})"}}
+
+
+def load_nodes(placement: str, workers: int, nodes: Sequence[dict[str, Any]], driver: str) -> list[str]:
+    """Node ids the run's Locust workers may land on (`experiment.worker_placement`): the driver's
+    for `local` or no workers; the CPU-only nodes for `auto` when there are some; else any live node."""
+    if placement == "local" or workers == 0:
+        return [driver]
+    cpu_only = auto_worker_nodes(nodes)
+    return cpu_only if placement == "auto" and cpu_only else [str(n["NodeID"]) for n in alive_nodes(nodes)]
+
+
+def shared_load_notes(nodes: Sequence[dict[str, Any]], driver: str, locust: Sequence[str], workers: int) -> list[str]:
+    """What the load shares with GPU replicas (call it for a run with GPU arms): the driver and router
+    on a GPU node, Locust workers on GPU nodes (an all-GPU cluster has no CPU-only node to keep them
+    to). Their CPU use is then in the arms' latency: `plan` says it, the run's report says it."""
+    gpu_nodes = {str(n["NodeID"]): n.get("NodeManagerAddress", "?") for n in alive_nodes(nodes)
+                 if n.get("Resources", {}).get("GPU", 0)}
+    notes = []
+    if driver in gpu_nodes:
+        notes.append(f"load: the driver and the router run on GPU node {gpu_nodes[driver]} ({driver[:12]}) beside "
+                     "replicas: submit to a cluster whose head has no GPU (KubeRay: num-gpus 0) to keep them apart")
+    shared = sorted(gpu_nodes[n] for n in set(locust) if n in gpu_nodes)
+    if shared and workers:
+        why = ("experiment.worker_placement lets them there" if cpu_only_nodes(nodes)
+               else "no CPU-only node to keep them to")
+        notes.append(f"load: {workers} Locust worker(s) share GPU node(s) {', '.join(shared)} with the "
+                     f"replicas ({why}): their CPU use is in the arms' latency")
+    return notes
+
+
+def load_placement_notes(gpu_arms: bool, placement: str, workers: int, nodes: Sequence[dict[str, Any]],
+                         driver: str) -> list[str]:
+    """shared_load_notes for a run (none without GPU arms): `plan` prints them before the run, the
+    run's setup records them for its report (decision.json prepare.load_placement)."""
+    if not gpu_arms:
+        return []
+    return shared_load_notes(nodes, driver, load_nodes(placement, workers, nodes, driver), workers)

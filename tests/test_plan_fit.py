@@ -3,7 +3,9 @@
 real node reports it): on 80 GB H100 nodes the 4 x H200 layout does not fit and the plan names
 the one that does (TP 4 x PP 2); on 141 GB H200 nodes it fits. `run`'s fleet refuses the layout
 the same way before it reserves a GPU. Staging: a GPU arm serving a hub id without model_cache
-fails the plan naming model_cache, and a node whose disk cannot take the download is named.
+fails the plan naming model_cache, and a node whose disk cannot take the download is named; a
+model_cache no GPU node can make fails the plan and `run` (before anything is reserved), and `run`
+refuses a GPU hub model without model_cache before anything starts, as `plan` does.
 
 The config's model_cache is pointed at a temporary directory holding a staged copy of the
 weights (a sparse 295 GB file and the staging marker): the plan then finds them cached."""
@@ -11,6 +13,8 @@ weights (a sparse 295 GB file and the staging marker): the plan then finds them 
 from __future__ import annotations
 
 import json
+import subprocess
+import sys
 
 import pytest
 import ray
@@ -112,3 +116,47 @@ def test_run_refuses_the_layout_before_it_reserves_a_gpu(gpu_cluster, tmp_path):
     with pytest.raises(FleetStartError, match="GPU memory: baseline: tensor_parallel_size 4"):
         fleet.create_actors()
     assert ray.available_resources().get("GPU") == 12  # nothing reserved
+
+
+def unusable_cache_config(tmp_path) -> str:
+    """The H200 config with model_cache under a regular file: no node can make it (root or not)."""
+    (tmp_path / "a-file").write_text("not a directory")
+    cfg = yaml.safe_load(CONFIG.read_text())
+    cfg["model_cache"] = str(tmp_path / "a-file" / "model-cache")
+    cfg["ray"]["check_nodes"] = "never"  # the modules' import check is not the subject (and imports vLLM per node)
+    path = tmp_path / "unusable-cache.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    return str(path)
+
+
+def test_plan_and_run_refuse_a_model_cache_the_gpu_nodes_cannot_use(gpu_cluster, tmp_path, capsys):
+    if gpu_cluster != "H200":
+        pytest.skip("one cluster is enough")
+    path = unusable_cache_config(tmp_path)
+    assert plan_command.main([path, "--placement-wait-s", "5"], modules=("ray",)) == 1
+    cache = [line for line in capsys.readouterr().err.splitlines() if ": model_cache: " in line]
+    assert len(cache) == 1 and cache[0].startswith(f"mtp-canary plan: model_cache: {tmp_path}/a-file/model-cache on node ")
+    assert cache[0].endswith(f"GPU node): {tmp_path}/a-file/model-cache does not exist and cannot be made under "
+                             f"{tmp_path}/a-file (not a writable directory)")
+    # `run` (its own driver, joined to this cluster) stops before it reserves anything
+    runs = tmp_path / "runs"
+    done = subprocess.run([sys.executable, "-m", "rollout", "run", path, "--runs-dir", str(runs), "--run-id", "cache",
+                           "--ray-address", ray.get_runtime_context().gcs_address],
+                          cwd=REPO, capture_output=True, text=True, timeout=300)
+    assert done.returncode == 1, done.stdout[-3000:] + done.stderr[-3000:]
+    error = json.loads((runs / "cache" / "decision.json").read_text())["error"]
+    assert error.startswith(f"model_cache: {tmp_path}/a-file/model-cache on node ") and "\n" not in error
+    assert ray.available_resources().get("GPU") == 12  # nothing reserved
+
+
+def test_run_refuses_a_gpu_hub_model_without_model_cache_before_anything_starts(tmp_path):
+    cfg = yaml.safe_load(CONFIG.read_text())
+    del cfg["model_cache"]
+    path = tmp_path / "no-cache.yaml"
+    path.write_text(yaml.safe_dump(cfg))
+    done = subprocess.run([sys.executable, "-m", "rollout", "run", str(path), "--runs-dir", str(tmp_path / "runs")],
+                          cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 2, done.stderr
+    assert done.stderr.splitlines() == [line for line in done.stderr.splitlines() if line.startswith("mtp-canary run: ")]
+    assert len(done.stderr.splitlines()) == 1 and done.stderr.startswith("mtp-canary run: model_cache: unset")
+    assert not (tmp_path / "runs").exists()  # no runs dir, no Ray

@@ -8,7 +8,7 @@ target node (NodeAffinitySchedulingStrategy, soft=False) imports the modules a r
 there and reports their versions; a node missing one, or with another Ray than the driver,
 fails the plan naming node and cause. With `model_cache`, it says per replica node whether each
 hub model is cached there already (else the run's staging downloads it while the GPUs are
-held). It prints the timeouts the fleet will use and the
+held), and fails naming a node that cannot read, write or make the cache. It prints the timeouts the fleet will use and the
 GPU-hours the run may hold.
 
 Exit 0: every check passed; 1: a check failed (one line per failure on stderr, naming the
@@ -26,7 +26,7 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from rollout.commands.arguments import parse_alone
-from rollout.run.node_check import RUN_MODULES, NodeCheck, check_nodes, launched_arms, run_arms
+from rollout.run.node_check import RUN_MODULES, NodeCheck, check_nodes, launched_arms, model_cache_failures, run_arms
 
 # the fleet's teardown waits up to 60 s for every replica's stop; `ray job stop` must wait longer
 TEARDOWN_GRACE_S = 90
@@ -147,7 +147,7 @@ def target_nodes(cfg, replicas: list[ReplicaPlan]) -> tuple[dict[str, list[str]]
     """node id -> roles (replica names, 'driver', 'locust'), and notes on where Locust goes."""
     import ray
 
-    from cluster.placement import alive_nodes, auto_worker_nodes
+    from cluster.placement import auto_worker_nodes, load_nodes
 
     nodes = ray.nodes()
     driver = ray.get_runtime_context().get_node_id()
@@ -157,39 +157,25 @@ def target_nodes(cfg, replicas: list[ReplicaPlan]) -> tuple[dict[str, list[str]]
             targets.setdefault(r.node_id, []).append(r.name)
     notes = []
     placement = cfg.experiment.worker_placement
-    if placement == "local" or cfg.experiment.workers == 0:
-        locust = [driver]
-    else:
-        cpu_only = auto_worker_nodes(nodes)
-        locust = cpu_only if placement == "auto" and cpu_only else [str(n["NodeID"]) for n in alive_nodes(nodes)]
-        if placement == "spread" and cpu_only:
-            notes.append(f"Locust workers ('spread') may land on GPU nodes beside vLLM; CPU-only nodes: "
-                         f"{', '.join(cpu_only)} (experiment.worker_placement: auto, the default, keeps them there)")
+    locust = load_nodes(placement, cfg.experiment.workers, nodes, driver)
+    cpu_only = auto_worker_nodes(nodes)
+    if placement == "spread" and cfg.experiment.workers and cpu_only:
+        notes.append(f"Locust workers ('spread') may land on GPU nodes beside vLLM; CPU-only nodes: "
+                     f"{', '.join(cpu_only)} (experiment.worker_placement: auto, the default, keeps them there)")
     for node in locust:
         targets.setdefault(node, []).append("locust")
-    notes += shared_load_notes(cfg, nodes, driver, locust)
+    notes += load_placement_notes(cfg, nodes, driver)
     return targets, notes
 
 
-def shared_load_notes(cfg, nodes: list[dict[str, Any]], driver: str, locust: list[str]) -> list[str]:
-    """What the load shares with GPU replicas: the router and driver on a GPU node, Locust workers
-    on GPU nodes (an all-GPU cluster has no CPU-only node to keep them to): their CPU use is then
-    in the arms' latency."""
-    from cluster.placement import alive_nodes
+def load_placement_notes(cfg, nodes: list[dict[str, Any]], driver: str) -> list[str]:
+    """What the load shares with GPU replicas (cluster.placement.load_placement_notes); the run's
+    setup records the same for its report."""
+    from cluster.placement import load_placement_notes as notes_for
 
-    if not any(arm.engine.device == "gpu" for _, arm in launched_arms(cfg)):
-        return []
-    gpu_nodes = {str(n["NodeID"]): n.get("NodeManagerAddress", "?") for n in alive_nodes(nodes)
-                 if n.get("Resources", {}).get("GPU", 0)}
-    notes = []
-    if driver in gpu_nodes:
-        notes.append(f"load: the driver and the router run on GPU node {gpu_nodes[driver]} ({driver[:12]}) beside "
-                     "replicas: submit to a cluster whose head has no GPU (KubeRay: num-gpus 0) to keep them apart")
-    shared = sorted(gpu_nodes[n] for n in set(locust) if n in gpu_nodes)
-    if shared and cfg.experiment.workers:
-        notes.append(f"load: {cfg.experiment.workers} Locust worker(s) share GPU node(s) {', '.join(shared)} with the "
-                     "replicas (no CPU-only node to keep them to): their CPU use is in the arms' latency")
-    return notes
+    exp = cfg.experiment
+    gpu_arms = any(arm.engine.device == "gpu" for _, arm in launched_arms(cfg))
+    return notes_for(gpu_arms, exp.worker_placement, exp.workers if exp.enabled else 0, nodes, driver)
 
 
 def weights_cached(cfg, nodes: list[NodeCheck]) -> tuple[list[str], list[str]]:
@@ -286,6 +272,7 @@ def make_plan(cfg, modules: Sequence[str] = RUN_MODULES, placement_wait_s: float
         for problem in check.problems:
             failures.append(f"node {check.node_ip} ({check.node_id[:12]}, {', '.join(check.roles)}): {problem}")
     failures += staging_failures(cfg)
+    failures += model_cache_failures(cfg)
     staged_failures, staged_notes = weights_cached(cfg, nodes)
     failures += staged_failures
     notes += staged_notes

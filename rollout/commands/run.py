@@ -89,9 +89,22 @@ def run(args: argparse.Namespace) -> int:
     except ConfigError as exc:
         print(f"mtp-canary: bad config: {exc}", file=sys.stderr)
         return EXIT_USAGE
-    if refuse_bad_environment("run"):
+    if refuse_bad_environment("run") or refuse_unstaged(config):
         return EXIT_USAGE
     return start_run(config, args)
+
+
+def refuse_unstaged(config: RolloutConfig) -> bool:
+    """True (after one line on stderr naming model_cache) when a GPU arm serves a hub id without
+    model_cache, as `plan` refuses it: every server would download the weights itself inside its
+    own startup clock. Before anything starts; the node-side check (the cache usable on every GPU
+    node) runs in the setup, once Ray is there (rollout.run.node_check.model_cache_failures)."""
+    from rollout.commands.plan import staging_failures
+
+    for line in staging_failures(config):
+        print(f"mtp-canary run: {line}", file=sys.stderr)
+        return True
+    return False
 
 
 def start_run(config: RolloutConfig, args: argparse.Namespace) -> int:

@@ -169,6 +169,12 @@ def _plan(doc: dict[str, Any], run_dir: Path) -> list[str]:
     return out
 
 
+def _load_placement(doc: dict[str, Any], run_dir: Path) -> list[str]:
+    """A GPU run whose load shared GPU nodes with the replicas (decision.json prepare.load_placement)."""
+    shared = (doc.get("prepare") or {}).get("load_placement")
+    return [f'<p id="load-placement" class="note">Load placement: {_esc(shared)}.</p>'] if shared else []
+
+
 def _gates(doc: dict[str, Any], run_dir: Path) -> list[str]:
     gates = doc.get("gates") or []
     if not gates:
@@ -510,7 +516,7 @@ def _arms_section(doc: dict[str, Any], run_dir: Path) -> list[str]:
 
 
 SECTIONS: tuple[Callable[[dict[str, Any], Path], list[str]], ...] = (
-    _decision, _candidates, _gates, _plan, _looks, _latency, _acceptance, _sweep, _accuracy, _progressive, _engine_warnings, _arms_section,
+    _decision, _load_placement, _candidates, _gates, _plan, _looks, _latency, _acceptance, _sweep, _accuracy, _progressive, _engine_warnings, _arms_section,
 )
 
 

@@ -64,6 +64,8 @@ def _arms(doc: dict[str, Any]) -> list[str]:
         lines += ["", f"**Arms share CPU cores**: {prepare['core_sharing']}; latencies include their contention."]
     elif any((prepare.get("cpu_cores") or {}).values()):
         lines += ["", "CPU cores per replica: " + ", ".join(f"{n} -> {c}" for n, c in prepare["cpu_cores"].items())]
+    if prepare.get("load_placement"):
+        lines += ["", f"**Load placement**: {prepare['load_placement']}."]
     lines += _kv_cache(doc)
     usage = doc.get("usage")
     if usage:

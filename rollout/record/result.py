@@ -48,6 +48,8 @@ class PrepareSummary(Summary):
     cpu_cores: dict[str, str | None] | None = None  # replica -> VLLM_CPU_OMP_THREADS_BIND
     core_sharing: str | None = None
     weights: list[dict[str, Any]] | None = None  # cluster.staging.StagedWeights per node and model (model_cache)
+    # what the load shares with GPU replicas (cluster.placement.shared_load_notes), one line; set only then
+    load_placement: str | None = None
 
     def document(self) -> dict[str, Any]:
         # keys appear as they are learnt (the sizing first, the cores once the fleet is up)

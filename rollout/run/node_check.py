@@ -1,4 +1,5 @@
-"""Every node imports what a run needs: the modules a run loads on its nodes, probed on each node.
+"""Every node imports what a run needs: the modules a run loads on its nodes, probed on each node,
+and the model cache staging writes there.
 
 `run`'s setup (before the fleet starts, `ray.check_nodes`) and `mtp-canary plan` share it. Each probe is a
 child of the node's Python: locust's gevent patching never shares a process with Ray.
@@ -7,6 +8,7 @@ child of the node's Python: locust's gevent patching never shares a process with
 from __future__ import annotations
 
 import json
+import os
 import sys
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -150,3 +152,54 @@ def node_environment_failures(modules: Sequence[str] | None = None) -> list[str]
             targets[str(node["NodeID"])] = roles
     return [f"node {c.node_ip} ({c.node_id[:12]}, {', '.join(c.roles)}): {problem}"
             for c in check_nodes(targets, modules or RUN_MODULES) for problem in c.problems]
+
+
+def cache_problem(cache: str) -> str | None:
+    """What keeps staging from using `cache` on this node (run it there), or None: the directory
+    must be readable and writable, or, not there yet, creatable (its nearest existing parent a
+    writable directory: staging makes it)."""
+    from cluster.staging import expand_cache
+
+    path = expand_cache(cache)
+    if path.exists():
+        if not path.is_dir():
+            return f"{path} is not a directory"
+        if not os.access(path, os.R_OK | os.W_OK | os.X_OK):
+            return f"{path} cannot be read and written by uid {os.getuid()}"
+        return None
+    parent = path.parent
+    while not parent.exists() and parent != parent.parent:
+        parent = parent.parent
+    if not parent.is_dir() or not os.access(parent, os.W_OK | os.X_OK):
+        return f"{path} does not exist and cannot be made under {parent} (not a writable directory)"
+    return None
+
+
+def model_cache_failures(cfg) -> list[str]:
+    """model_cache on every node a staged replica may land on (the GPU nodes for GPU arms, else
+    every node with CPUs): one line per node where staging could not use it, naming the field. None
+    without model_cache or a hub model to stage."""
+    import ray
+    from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
+
+    from cluster.placement import alive_nodes
+    from cluster.staging import hub_models
+
+    engines = [arm.engine for _, arm in launched_arms(cfg)]
+    if not cfg.model_cache or not hub_models(e.model for e in engines):
+        return []
+    kind = "GPU" if any(e.device == "gpu" for e in engines) else "CPU"
+    nodes = [n for n in alive_nodes(ray.nodes()) if n.get("Resources", {}).get(kind, 0)]
+    probe = ray.remote(num_cpus=0)(cache_problem)
+    refs = [(n, probe.options(scheduling_strategy=NodeAffinitySchedulingStrategy(node_id=n["NodeID"], soft=False))
+             .remote(cfg.model_cache)) for n in nodes]
+    failures = []
+    for node, ref in refs:
+        try:
+            problem = ray.get(ref, timeout=120)
+        except Exception as exc:  # noqa: BLE001 - a node that cannot answer cannot stage either
+            problem = f"not checked ({type(exc).__name__}: {exc})"[:300]
+        if problem:
+            failures.append(f"model_cache: {cfg.model_cache} on node {node.get('NodeManagerAddress', '?')} "
+                            f"({str(node['NodeID'])[:12]}, {kind} node): {problem}")
+    return failures

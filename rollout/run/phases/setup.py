@@ -16,6 +16,7 @@ from ray.util.scheduling_strategies import NodeAffinitySchedulingStrategy
 
 from cluster.arms import BASELINE, CANARY
 from cluster.fleet import ArmSpec, Fleet
+from cluster.placement import load_placement_notes
 from cluster.ray_cluster import connect, find_actor, kill_quietly
 from cluster.router import Router, RouterClient
 from cluster.router_limits import is_loopback
@@ -187,6 +188,7 @@ class StartFleet:
         cfg = ctx.cfg
         ctx.say(connect(cfg.ray.address, namespace=ctx.namespace))
         self._check_nodes(ctx)
+        self._check_model_cache(ctx)
         t0 = time.monotonic()
         arms = [
             ArmSpec(name=arm, engine=engine, replicas=ctx.result.arms[arm]["replicas"],
@@ -229,6 +231,7 @@ class StartFleet:
             urls = ctx.fleet.start(timeout_s=cfg.startup_timeout_s)
             ctx.event("fleet", "ready", f"{sum(len(u) for u in urls.values())} replicas")
         self._report_cores(ctx)
+        self._record_load_placement(ctx)
         if ctx.fleet.staged:
             ctx.result.prepare.weights = [w.model_dump(mode="json") for w in ctx.fleet.staged]
         ctx.result.timings["fleet_start_s"] = time.monotonic() - t0
@@ -246,6 +249,27 @@ class StartFleet:
         if failures:
             raise InfrastructureError("node environment: " + "; ".join(failures))
         ctx.say("nodes: every node has what the run imports")
+
+    @staticmethod
+    def _check_model_cache(ctx: RunContext) -> None:
+        """model_cache usable on every node a staged replica may land on, before anything is reserved."""
+        if ctx.resuming:
+            return
+        failures = node_check.model_cache_failures(ctx.cfg)
+        if failures:
+            raise InfrastructureError("; ".join(failures))
+
+    @staticmethod
+    def _record_load_placement(ctx: RunContext) -> None:
+        """What the load shares with the GPU replicas (the driver and router, Locust workers on GPU
+        nodes), said and kept for the report: that CPU use is in the arms' latency."""
+        exp = ctx.cfg.experiment
+        gpu_arms = any(engine.device == "gpu" for engine in ctx.engines.values())
+        notes = load_placement_notes(gpu_arms, exp.worker_placement, exp.workers if exp.enabled else 0, ray.nodes(),
+                                     ray.get_runtime_context().get_node_id())
+        if notes:
+            ctx.result.prepare.load_placement = "; ".join(note.removeprefix("load: ") for note in notes)
+            ctx.say(f"fleet: load placement: {ctx.result.prepare.load_placement}")
 
     @staticmethod
     def _report_cores(ctx: RunContext) -> None:
