@@ -6,7 +6,7 @@ the top, then the gates and, where the run holds the data, the plots behind them
 position, speedup vs load, the progressive timeline). Plots are matplotlib SVG inlined
 in the page, so it opens from a file, an artifact store or a mail without any network.
 
-Data come from decision.json (`doc`) and, for what it does not hold, the run
+Data come from decision.json (`doc`, the typed rollout.record.document.DecisionDocument) and, for what it does not hold, the run
 directory's request records: the experiment's (ECDFs; the looks re-judged with the
 controller's own replay, `mtp-canary judge`) and the sweep's (intervals of the speedup).
 A missing or unreadable records file costs its plots only: the page says so.
@@ -22,7 +22,7 @@ import io
 import math
 import re
 import time
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -32,6 +32,7 @@ from matplotlib.figure import Figure
 
 from loadtests.records import RequestRecord, read_records
 from rollout.record.atomic_file import write_atomically
+from rollout.record.document import DecisionDocument
 from rollout.record.result import wholly_ejected_line
 from rollout.judge.latency import latency_samples_from_records
 from rollout.judge.names import ACCURACY_NAME, DIVERGENCE_NAME, OBJECTIVE_NAME
@@ -103,88 +104,89 @@ def _figure(fig_id: str, fig: Figure, caption: str) -> str:
     return f'<figure id="{_esc(fig_id)}">{svg}<figcaption>{_esc(caption)}</figcaption></figure>'
 
 
-def _arms(doc: dict[str, Any]) -> list[str]:
+def _arms(doc: DecisionDocument) -> list[str]:
     """The arms that took the experiment's load (with candidates, the canary's seat is the winner's
     arm again: its records carry the candidate's name)."""
-    arms = list(doc.get("arms") or {}) or ["baseline", "canary"]
-    return [a for a in arms if a != "canary"] if doc.get("candidates") else arms
+    arms = list(doc.arms) or ["baseline", "canary"]
+    return [a for a in arms if a != "canary"] if doc.candidates else arms
 
 
 # -- the decision, one sentence -----------------------------------------------------------------
-def decision_sentence(doc: dict[str, Any]) -> str:
+def decision_sentence(doc: DecisionDocument | Mapping[str, Any]) -> str:
     """Decision, why, how the evidence stopped, and the gates that decided it (failing, else open)."""
-    decision = str(doc.get("decision") or "error").upper()
-    parts = [f"{decision} (exit code {doc.get('exit_code')}): {_one_line(doc.get('reason') or '')}"]
-    exp = doc.get("experiment") or {}
-    if exp.get("looks"):
-        parts.append(f"the experiment stopped by {exp.get('stopped_by')} at look {len(exp['looks'])} of {exp.get('planned_looks')}")
-    gates = doc.get("gates") or []
-    deciding = [g for g in gates if g.get("verdict") == "fail"]
-    if not deciding and doc.get("decision") != "promote":
-        deciding = [g for g in gates if g.get("verdict") == "inconclusive"]
-    if not deciding and doc.get("decision") == "promote":
-        deciding = [g for g in gates if g.get("name") == OBJECTIVE_NAME]
+    doc = DecisionDocument.of(doc)
+    decision = str(doc.decision or "error").upper()
+    parts = [f"{decision} (exit code {doc.exit_code}): {_one_line(doc.reason or '')}"]
+    exp = doc.experiment
+    if exp and exp.looks:
+        parts.append(f"the experiment stopped by {exp.stopped_by} at look {len(exp.looks)} of {exp.planned_looks}")
+    gates = doc.gates
+    deciding = [g for g in gates if g.verdict == "fail"]
+    if not deciding and doc.decision != "promote":
+        deciding = [g for g in gates if g.verdict == "inconclusive"]
+    if not deciding and doc.decision == "promote":
+        deciding = [g for g in gates if g.name == OBJECTIVE_NAME]
     for g in deciding:
-        interval = g.get("interval")
+        interval = g.interval
         bounds = f" [{_num(interval[0])}, {_num(interval[1])}]" if interval else ""
-        parts.append(f"{g['name']} {g.get('verdict')}: {g.get('metric')} {_num(g.get('estimate'))}{bounds} "
-                     f"vs threshold {_num(g.get('threshold'))}")
+        parts.append(f"{g.name} {g.verdict}: {g.metric} {_num(g.estimate)}{bounds} "
+                     f"vs threshold {_num(g.threshold)}")
     return "; ".join(parts) + "."
 
 
-def _decision(doc: dict[str, Any], run_dir: Path) -> list[str]:
-    cls = doc.get("decision") or "error"
-    out = wholly_ejected_line(doc)
-    return [f'<h1>mtp-canary run {_esc(doc.get("run_id"))} ({_esc(doc.get("name"))})</h1>',
+def _decision(doc: DecisionDocument, run_dir: Path) -> list[str]:
+    cls = doc.decision or "error"
+    out = wholly_ejected_line({"wholly_ejected": doc.wholly_ejected})
+    return [f'<h1>mtp-canary run {_esc(doc.run_id)} ({_esc(doc.name)})</h1>',
             f'<p id="decision" class="{_esc(cls)}">{_esc(decision_sentence(doc))}</p>'] + ([_note(f"An arm was out: {out}.")] if out else [])
 
 
-def _candidates(doc: dict[str, Any], run_dir: Path) -> list[str]:
+def _candidates(doc: DecisionDocument, run_dir: Path) -> list[str]:
     """A run with candidates: each one's verdict at alpha / K, its TPOT p50 ratio, and why it won or lost."""
-    candidates = doc.get("candidates") or []
+    candidates = doc.candidates or []
     if not candidates:
         return []
-    rows = [[c["name"], c["speculative_tokens"], _num(c["alpha"], 4),
-             _num(next((g.get("estimate") for g in c["gates"] if g["name"] == OBJECTIVE_NAME), None)),
-             c["reason"], c["decision"]] for c in candidates]
-    return [f'<h2 id="candidates">Candidates (winner: {_esc(doc.get("winner") or "none")})</h2>',
+    rows = [[c.name, c.speculative_tokens, _num(c.alpha, 4),
+             _num(next((g.estimate for g in c.gates if g.name == OBJECTIVE_NAME), None)),
+             c.reason, c.decision] for c in candidates]
+    return [f'<h2 id="candidates">Candidates (winner: {_esc(doc.winner or "none")})</h2>',
             _note("Each candidate is judged against the baseline at alpha / K (Bonferroni); the winner has the lowest "
                   "TPOT p50 ratio among those that passed (within 2%: the one drafting fewer tokens)."),
             _table(["candidate", "draft tokens", "alpha", "TPOT p50 ratio", "why", "verdict"], rows, 5)] + (
-        [_note(doc["winner_note"])] if doc.get("winner_note") else [])
+        [_note(doc.winner_note)] if doc.winner_note else [])
 
 
-def _plan(doc: dict[str, Any], run_dir: Path) -> list[str]:
+def _plan(doc: DecisionDocument, run_dir: Path) -> list[str]:
     """What the plan could decide (detectable_effect) and earlier attempts at the comparison (attempts)."""
-    effects, attempts = doc.get("detectable_effect") or {}, doc.get("attempts")
+    effects, attempts = doc.detectable_effect or {}, doc.attempts
     if not effects and not attempts:
         return []
     out = ['<h2 id="plan">What the plan could decide</h2>']
-    out += [_note(e["text"]) for e in effects.values()]
-    out += [_note(f"Warning: {e['warning']}") for e in effects.values() if e.get("warning")]
+    out += [_note(e.text) for e in effects.values()]
+    out += [_note(f"Warning: {e.warning}") for e in effects.values() if e.warning]
     if attempts:
-        out.append(_note(f"Attempt {attempts['number']} at this comparison; the attempts together bound a false promote "
-                         f"by {attempts['alpha_spent_together']:g}; INCONCLUSIVE before: "
-                         f"{', '.join(attempts.get('inconclusive_before') or []) or 'none'}."))
+        out.append(_note(f"Attempt {attempts.number} at this comparison; the attempts together bound a false promote "
+                         f"by {attempts.alpha_spent_together:g}; INCONCLUSIVE before: "
+                         f"{', '.join(attempts.inconclusive_before) or 'none'}."))
     return out
 
 
-def _load_placement(doc: dict[str, Any], run_dir: Path) -> list[str]:
+def _load_placement(doc: DecisionDocument, run_dir: Path) -> list[str]:
     """A GPU run whose load shared GPU nodes with the replicas (decision.json prepare.load_placement)."""
-    shared = (doc.get("prepare") or {}).get("load_placement")
+    shared = doc.prepare.load_placement
     return [f'<p id="load-placement" class="note">Load placement: {_esc(shared)}.</p>'] if shared else []
 
 
-def _gates(doc: dict[str, Any], run_dir: Path) -> list[str]:
-    gates = doc.get("gates") or []
+def _gates(doc: DecisionDocument, run_dir: Path) -> list[str]:
+    gates = doc.gates
     if not gates:
         return []
     rows = []
     for g in gates:
-        interval = f"[{_num(g['interval'][0])}, {_num(g['interval'][1])}]" if g.get("interval") else "n/a"
-        rows.append([g["name"], g.get("metric"), _num(g.get("baseline")), _num(g.get("canary")), _num(g.get("estimate")),
-                     interval, _num(g.get("threshold")), g.get("verdict")])
-    details = "".join(f"<li><b>{_esc(g['name'])}</b>: {_esc(g['detail'])}</li>" for g in gates if g.get("detail"))
+        interval = f"[{_num(g.interval[0])}, {_num(g.interval[1])}]" if g.interval else "n/a"
+        rows.append([g.name, g.metric, _num(g.baseline), _num(g.canary), _num(g.estimate),
+                     interval, _num(g.threshold), g.verdict])
+    details = "".join(f"<li><b>{_esc(g.name)}</b>: {_esc(g.detail)}</li>" for g in gates if g.detail)
     return ['<h2 id="gates">Gates</h2>',
             _table(["gate", "metric", "baseline", "canary", "estimate", "interval", "threshold", "verdict"], rows, 7),
             f'<ul class="note">{details}</ul>' if details else ""]
@@ -206,16 +208,16 @@ class _Records:
             self.problem = _one_line(f"{path} is unreadable: {exc}")
 
 
-def _latency(doc: dict[str, Any], run_dir: Path) -> list[str]:
-    exp = doc.get("experiment") or {}
+def _latency(doc: DecisionDocument, run_dir: Path) -> list[str]:
+    exp = doc.experiment
     path = run_dir / EXPERIMENT_RECORDS
     if not exp and not path.exists():
         return []
     out = ['<h2 id="latency">Latency per request (client side)</h2>']
-    if exp.get("latency_ms"):
-        rows = [[arm, exp.get("requests", {}).get(arm), *(_num(lat.get(k), 1) for k in
+    if exp and exp.latency_ms:
+        rows = [[arm, exp.requests.get(arm), *(_num(lat.get(k), 1) for k in
                 ("ttft_p50", "ttft_p95", "tpot_p50", "tpot_p95", "e2e_p50", "e2e_p95"))]
-                for arm, lat in exp["latency_ms"].items()]
+                for arm, lat in exp.latency_ms.items()]
         out.append(_table(["arm", "requests", "TTFT p50 ms", "TTFT p95 ms", "TPOT p50 ms", "TPOT p95 ms",
                            "E2E p50 ms", "E2E p95 ms"], rows))
     got = _Records(path)
@@ -257,25 +259,25 @@ def _replayed_objective(run_dir: Path) -> tuple[list[tuple[int, float, Any]], st
     return rows, None
 
 
-def _looks(doc: dict[str, Any], run_dir: Path) -> list[str]:
-    exp = doc.get("experiment") or {}
-    looks = exp.get("looks") or []
+def _looks(doc: DecisionDocument, run_dir: Path) -> list[str]:
+    exp = doc.experiment
+    looks = exp.looks if exp else []
     if not looks:
         return []
     out = ['<h2 id="looks">Looks (one continuous load)</h2>']
-    names = list(dict.fromkeys(name for k in looks for name in k.get("verdicts", {})))
-    rows = [[k["look"], _num(k.get("information")), ", ".join(f"{a} {n}" for a, n in (k.get("requests") or {}).items()),
-             *(k.get("verdicts", {}).get(name, "") for name in names)] for k in looks]
+    names = list(dict.fromkeys(name for k in looks for name in k.verdicts))
+    rows = [[k.look, _num(k.information), ", ".join(f"{a} {n}" for a, n in k.requests.items()),
+             *(k.verdicts.get(name, "") for name in names)] for k in looks]
     out.append(_table(["look", "information", "new requests", *names], rows))
-    if load := exp.get("judged_load"):
-        out.append(_note(f"Judged load: {load['text']}. The verdict holds at this load."))
-    if dep := exp.get("dependence"):
-        ac = dep["autocorrelation"]
+    if load := exp.judged_load:
+        out.append(_note(f"Judged load: {load.text}. The verdict holds at this load."))
+    if dep := exp.dependence:
+        ac = dep.autocorrelation
         out.append(_note(
-            f"Dependence across {dep['looks']} looks (TPOT p50): lag-1 autocorrelation baseline {_num(ac.get('baseline'))}, "
+            f"Dependence across {dep.looks} looks (TPOT p50): lag-1 autocorrelation baseline {_num(ac.get('baseline'))}, "
             f"canary {_num(ac.get('canary'))}, contrast {_num(ac.get('contrast'))}; design effect over independent looks "
-            f"{_num(dep.get('design_effect'))}; intervals hold for look-to-look correlation up to {dep['look_correlation_max']:g}."))
-    if doc.get("candidates"):
+            f"{_num(dep.design_effect)}; intervals hold for look-to-look correlation up to {dep.look_correlation_max:g}."))
+    if doc.candidates:
         return out + [_note("Several candidates: each look's verdicts are above, per candidate; the replay that draws "
                             "the objective's interval at every look judges one canary and is not drawn here.")]
     if not (run_dir / EXPERIMENT_RECORDS).exists():
@@ -332,8 +334,8 @@ def expected_lengths(per_position: Sequence[float]) -> tuple[list[float | None],
     return conditional, lengths
 
 
-def _acceptance(doc: dict[str, Any], run_dir: Path) -> list[str]:
-    spec = {arm: sd for arm, sd in (doc.get("spec_decode") or {}).items() if sd and sd.get("per_position")}
+def _acceptance(doc: DecisionDocument, run_dir: Path) -> list[str]:
+    spec = {arm: sd for arm, sd in doc.spec_decode.items() if sd.per_position}
     if not spec:
         return []
     out = ['<h2 id="acceptance">Speculative decoding: acceptance per draft position</h2>']
@@ -342,13 +344,13 @@ def _acceptance(doc: dict[str, Any], run_dir: Path) -> list[str]:
     ax_pos, ax_len = fig.subplots(1, 2)
     width = 0.8 / len(spec)
     for n, (arm, sd) in enumerate(spec.items()):
-        per_position = sd["per_position"]
+        per_position = sd.per_position
         conditional, lengths = expected_lengths(per_position)
         positions = np.arange(1, len(per_position) + 1)
         ax_pos.bar(positions + (n - (len(spec) - 1) / 2) * width, per_position, width, label=arm, color=ARM_COLORS.get(arm))
         ax_len.plot(positions, lengths, "o-", label=arm, color=ARM_COLORS.get(arm))
         for i, (p, a, e) in enumerate(zip(per_position, conditional, lengths), start=1):
-            rows.append([arm, i, _num(p), _num(a), _num(e), _num(sd.get("mean_acceptance_length")) if i == len(per_position) else ""])
+            rows.append([arm, i, _num(p), _num(a), _num(e), _num(sd.mean_acceptance_length) if i == len(per_position) else ""])
     ax_pos.set_xlabel("draft position")
     ax_pos.set_ylabel("P(accepted up to position)")
     ax_pos.set_ylim(0, 1.05)
@@ -362,16 +364,16 @@ def _acceptance(doc: dict[str, Any], run_dir: Path) -> list[str]:
                        "the expected acceptance length had the arm drafted only k' tokens."))
     out.append(_table(["arm", "position i", "P(accepted up to i)", "P(accept i | i-1 accepted)",
                        "E[length] drafting k'=i", "measured mean length"], rows))
-    advice = (doc.get("experiment") or {}).get("depth_advice")
+    advice = doc.experiment.depth_advice if doc.experiment else None
     if advice:
         out.append('<h3 id="depth-advice">Which depth: TPOT predicted from the acceptance profile and the step costs</h3>')
         out.append(_table(
             ["k", "acceptance length", "TPOT p50 predicted (ms)", "95% interval (ms)", "measured (ms)", "vs best"],
-            [[p["k"], _num(p["acceptance_length"]), _num(p["tpot_ms"]),
-              f"[{_num(p['interval_ms'][0])}, {_num(p['interval_ms'][1])}]" if p["interval_ms"] else "n/a",
-              _num(p["measured_tpot_ms"]), _num(p["vs_best"])] for p in advice["predictions"]],
+            [[p.k, _num(p.acceptance_length), _num(p.tpot_ms),
+              f"[{_num(p.interval_ms[0])}, {_num(p.interval_ms[1])}]" if p.interval_ms else "n/a",
+              _num(p.measured_tpot_ms), _num(p.vs_best)] for p in advice.predictions],
         ))
-        out.append(f"<p>{html.escape(advice['text'])}.</p>")
+        out.append(f"<p>{html.escape(advice.text)}.</p>")
     return out
 
 
@@ -386,8 +388,8 @@ def _median_ratio_interval(baseline: Sequence[float], canary: Sequence[float]) -
     return math.exp(lower), math.exp(upper)
 
 
-def _sweep(doc: dict[str, Any], run_dir: Path) -> list[str]:
-    rows = (doc.get("experiment") or {}).get("sweep") or []
+def _sweep(doc: DecisionDocument, run_dir: Path) -> list[str]:
+    rows = (doc.experiment.sweep if doc.experiment else None) or []
     if not rows:
         return []
     base, canary = "baseline", "canary"  # the sweep's two arms (with candidates, the canary is the winner)
@@ -396,14 +398,14 @@ def _sweep(doc: dict[str, Any], run_dir: Path) -> list[str]:
     intervals: dict[float, tuple[float, float] | None] = {}
     if got.records is not None:
         for row in rows:
-            at = [r for r in got.records if r.level == row["level"] and r.ok and not r.cancelled and r.tpot_s is not None]
+            at = [r for r in got.records if r.level == row.level and r.ok and not r.cancelled and r.tpot_s is not None]
             tpot = {arm: [r.tpot_s for r in at if (r.arm or r.pinned_arm) == arm] for arm in (base, canary)}
-            intervals[row["level"]] = _median_ratio_interval(tpot[base], tpot[canary])
+            intervals[row.level] = _median_ratio_interval(tpot[base], tpot[canary])
     fig = Figure(figsize=(6, 3.2))
     ax = fig.subplots()
-    drawn = [r for r in rows if r.get("tpot_ratio") is not None]
-    levels = [r["level"] for r in drawn]
-    ratios = [r["tpot_ratio"] for r in drawn]
+    drawn = [r for r in rows if r.tpot_ratio is not None]
+    levels = [r.level for r in drawn]
+    ratios = [r.tpot_ratio for r in drawn]
     ax.plot(levels, ratios, "o-", color=ARM_COLORS.get(canary), label=f"{canary}/{base} TPOT p50")
     for level, ratio in zip(levels, ratios):
         interval = intervals.get(level)
@@ -418,70 +420,70 @@ def _sweep(doc: dict[str, Any], run_dir: Path) -> list[str]:
                        "from the sweep's records (exact median bands per arm, requests taken as independent)."))
     if got.records is None:
         out.append(_note(f"The sweep's request records were unreadable, so no intervals: {got.problem}."))
-    table_rows = [[r["level"], _num(r["arms"][base].get("tpot_p50_ms"), 2), _num(r["arms"][canary].get("tpot_p50_ms"), 2),
-                   _num(r.get("tpot_ratio")),
-                   "n/a" if intervals.get(r["level"]) is None else f"[{intervals[r['level']][0]:.3f}, {intervals[r['level']][1]:.3f}]",
-                   f"{r['arms'][base].get('requests')}/{r['arms'][canary].get('requests')}"] for r in rows]
+    table_rows = [[r.level, _num(r.arms[base].tpot_p50_ms, 2), _num(r.arms[canary].tpot_p50_ms, 2),
+                   _num(r.tpot_ratio),
+                   "n/a" if intervals.get(r.level) is None else f"[{intervals[r.level][0]:.3f}, {intervals[r.level][1]:.3f}]",
+                   f"{r.arms[base].requests}/{r.arms[canary].requests}"] for r in rows]
     out.append(_table(["streams per replica", f"TPOT p50 {base} ms", f"TPOT p50 {canary} ms", "ratio", "95% interval",
                        "requests per arm"], table_rows))
     return out
 
 
 # -- accuracy -----------------------------------------------------------------------------------------
-def _accuracy(doc: dict[str, Any], run_dir: Path) -> list[str]:
-    acc = doc.get("accuracy") or {}
+def _accuracy(doc: DecisionDocument, run_dir: Path) -> list[str]:
+    acc = doc.accuracy
     if not acc:
         return []
     out = ['<h2 id="accuracy">Accuracy</h2>',
-           _note(f"{acc.get('items')} of {acc.get('planned_items')} {acc.get('kind')} items, greedy, identical for every arm.")]
-    gates = {g["name"]: g for g in doc.get("gates") or []}
+           _note(f"{acc.items} of {acc.planned_items} {acc.kind} items, greedy, identical for every arm.")]
+    gates = {g.name: g for g in doc.gates}
     acc_gate, div_gate = gates.get(ACCURACY_NAME), gates.get(DIVERGENCE_NAME)
-    flips = _DISCORDANT.search((acc_gate or {}).get("detail") or "")
+    flips = _DISCORDANT.search((acc_gate.detail if acc_gate else None) or "")
     if flips:
         lost, gained = int(flips.group(1)), int(flips.group(2))
-        n = int(acc_gate.get("n_canary") or acc.get("items") or 0)
+        n = int(acc_gate.n_canary or acc.items or 0)
         out.append(_table(["items", "same outcome on both arms", "canary lost (baseline right, canary wrong)",
                            "canary gained (baseline wrong, canary right)", "verdict"],
-                          [[n, n - lost - gained, lost, gained, acc_gate.get("verdict")]], 4))
-    rows = [[arm, _num(value), _num((acc.get("request_errors") or {}).get(arm), 0)] for arm, value in (acc.get("accuracy") or {}).items()]
+                          [[n, n - lost - gained, lost, gained, acc_gate.verdict]], 4))
+    rows = [[arm, _num(value), _num(acc.request_errors.get(arm), 0)] for arm, value in acc.accuracy.items()]
     out.append(_table(["arm", "accuracy", "request errors"], rows))
-    for arm, value in (acc.get("divergence_vs_baseline") or {}).items():
+    for arm, value in acc.divergence_vs_baseline.items():
         floor = "no twin baseline ran: judged against the absolute cap"
-        if div_gate and div_gate.get("baseline") is not None:
-            floor = f"A/A floor (a twin baseline vs the baseline) {_num(div_gate['baseline'])}"
-        cap = f", cap {_num(div_gate.get('threshold'))}, verdict {div_gate.get('verdict')}" if div_gate else ""
+        if div_gate and div_gate.baseline is not None:
+            floor = f"A/A floor (a twin baseline vs the baseline) {_num(div_gate.baseline)}"
+        cap = f", cap {_num(div_gate.threshold)}, verdict {div_gate.verdict}" if div_gate else ""
         out.append(_note(f"{arm} outputs differ from the baseline's on {_num(value)} of items; {floor}{cap}."))
     return out
 
 
 # -- progressive timeline --------------------------------------------------------------------------------
-def _progressive(doc: dict[str, Any], run_dir: Path) -> list[str]:
-    events = [e for e in doc.get("timeline") or [] if e.get("phase") == "progressive" or e.get("event") == "weights"]
+def _progressive(doc: DecisionDocument, run_dir: Path) -> list[str]:
+    events = [e for e in doc.timeline if e.phase == "progressive" or e.event == "weights"]
     windows = []
     for e in events:
-        match = _WINDOW.match(e.get("reason") or "") if e.get("event") == "window" else None
+        match = _WINDOW.match(e.reason or "") if e.event == "window" else None
         if match:
             verdicts = dict(part.split("=", 1) for part in match.group(3).split(", ") if "=" in part)
             windows.append((e, int(match.group(1)), int(match.group(2)), verdicts))
-    weights = [e for e in events if e.get("event") == "weights"]
-    if not windows and not (doc.get("progressive") or {}):
+    weights = [e for e in events if e.event == "weights"]
+    if not windows and not doc.progressive:
         return []
     out = ['<h2 id="progressive">Progressive rollout</h2>']
-    start = min(e["time"] for e in events) if events else 0.0
+    start = min(e.time for e in events) if events else 0.0
     fig = Figure(figsize=(9, 3.2))
     ax = fig.subplots()
     if weights:
-        times = [e["time"] - start for e in weights] + [max(e["time"] for e in events) - start]
-        values = [e["canary_weight"] for e in weights] + [weights[-1]["canary_weight"]]
+        times = [e.time - start for e in weights] + [max(e.time for e in events) - start]
+        values = [e.canary_weight for e in weights] + [weights[-1].canary_weight]
         ax.step(times, values, where="post", color=ARM_COLORS["canary"], label="canary weight %")
     for e in events:
-        if e.get("event") in ("controller_resume", "abort", "pause"):  # what interrupted the steps, where
-            ax.axvline(e["time"] - start, color="#777", ls=":", lw=1)
-            ax.annotate(str(e["event"]), (e["time"] - start, 104), fontsize="x-small", color="#555", ha="center")
+        if e.event in ("controller_resume", "abort", "pause"):  # what interrupted the steps, where
+            ax.axvline(e.time - start, color="#777", ls=":", lw=1)
+            ax.annotate(str(e.event), (e.time - start, 104), fontsize="x-small", color="#555", ha="center")
     for e, index, step, verdicts in windows:
         worst = "fail" if "fail" in verdicts.values() else "inconclusive" if "inconclusive" in verdicts.values() else "pass"
-        ax.plot([e["time"] - start], [e.get("canary_weight") or 0.0], "s", color=VERDICT_COLORS[worst], ms=8)
-        ax.annotate(str(index), (e["time"] - start, e.get("canary_weight") or 0.0), textcoords="offset points", xytext=(0, 7),
+        ax.plot([e.time - start], [e.canary_weight or 0.0], "s", color=VERDICT_COLORS[worst], ms=8)
+        ax.annotate(str(index), (e.time - start, e.canary_weight or 0.0), textcoords="offset points", xytext=(0, 7),
                     ha="center", fontsize="small")
     ax.set_xlabel("seconds since the progressive phase began")
     ax.set_ylabel("canary weight %")
@@ -492,46 +494,47 @@ def _progressive(doc: dict[str, Any], run_dir: Path) -> list[str]:
                        "dotted lines: a controller resume, a pause or an abort."))
     if windows:
         names = list(dict.fromkeys(name for *_, verdicts in windows for name in verdicts))
-        rows = [[index, step, time.strftime("%H:%M:%S", time.localtime(e["time"])), _num(e.get("canary_weight"), 0),
+        rows = [[index, step, time.strftime("%H:%M:%S", time.localtime(e.time)), _num(e.canary_weight, 0),
                  *(verdicts.get(name, "") for name in names)] for e, index, step, verdicts in windows]
         out.append(_table(["window", "step", "time", "canary weight %", *names], rows))
     return out
 
 
-def _engine_warnings(doc: dict[str, Any], run_dir: Path) -> list[str]:
-    warnings = {k: v for k, v in ((doc.get("preflight") or {}).get("notable_warnings") or {}).items() if v}
+def _engine_warnings(doc: DecisionDocument, run_dir: Path) -> list[str]:
+    warnings = {k: v for k, v in (doc.preflight.notable_warnings if doc.preflight else {}).items() if v}
     if not warnings:
         return []
     items = "".join(f"<li>{_esc(replica)}: {_esc(m)}</li>" for replica, msgs in warnings.items() for m in msgs)
     return ['<h2 id="engine-warnings">Engine warnings (from the replica logs)</h2>', f"<ul>{items}</ul>"]
 
 
-def _arms_section(doc: dict[str, Any], run_dir: Path) -> list[str]:
-    arms = doc.get("arms") or {}
+def _arms_section(doc: DecisionDocument, run_dir: Path) -> list[str]:
+    arms = doc.arms
     if not arms:
         return []
-    rows = [[arm, info.get("replicas"), (info.get("engine") or {}).get("served_model_name"), (info.get("engine") or {}).get("model"),
-             str((info.get("engine") or {}).get("speculative_config"))] for arm, info in arms.items()]
+    rows = [[arm, info.replicas, info.engine.get("served_model_name"), info.engine.get("model"),
+             str(info.engine.get("speculative_config"))] for arm, info in arms.items()]
     return ['<h2 id="arms">Arms</h2>', _table(["arm", "replicas", "served model", "model", "speculative config"], rows)]
 
 
-SECTIONS: tuple[Callable[[dict[str, Any], Path], list[str]], ...] = (
+SECTIONS: tuple[Callable[[DecisionDocument, Path], list[str]], ...] = (
     _decision, _load_placement, _candidates, _gates, _plan, _looks, _latency, _acceptance, _sweep, _accuracy, _progressive, _engine_warnings, _arms_section,
 )
 
 
-def html_report(doc: dict[str, Any], run_dir: Path) -> str:
-    """report.html's text: each section only where the run holds its data."""
+def html_report(doc: DecisionDocument | Mapping[str, Any], run_dir: Path) -> str:
+    """report.html's text: each section only where the run holds its data (a mapping is read as decision.json first)."""
+    doc = DecisionDocument.of(doc)
     run_dir = Path(run_dir)
     body: list[str] = []
     for section in SECTIONS:
         body += section(doc, run_dir)
-    title = _esc(f"mtp-canary {doc.get('run_id')}: {str(doc.get('decision') or 'error').upper()}")
+    title = _esc(f"mtp-canary {doc.run_id}: {str(doc.decision or 'error').upper()}")
     return (f'<!DOCTYPE html>\n<html lang="en"><head><meta charset="utf-8"><title>{title}</title>'
             f"<style>{STYLE}</style></head><body>\n" + "\n".join(body) + "\n</body></html>\n")
 
 
-def write_html_report(doc: dict[str, Any], run_dir: Path) -> Path:
+def write_html_report(doc: DecisionDocument | Mapping[str, Any], run_dir: Path) -> Path:
     """Write run_dir/report.html in one step (a reader never sees half a page)."""
     path = Path(run_dir) / "report.html"
     write_atomically(path, html_report(doc, run_dir))
