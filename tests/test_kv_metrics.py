@@ -12,8 +12,14 @@ import time
 import pytest
 
 from cluster.metrics import KvCacheStats, MetricsSampler, kv_stats, parse_metrics
-from rollout.record.markdown import _kv_cache
+from rollout.record.document import DecisionDocument
+from rollout.record.markdown import _kv_cache as kv_section
 from tests.conftest import REPO
+
+
+def _kv_cache(doc: dict) -> list[str]:
+    """report.md's KV cache lines of a decision.json holding `doc` (read as the renderer reads it)."""
+    return kv_section(DecisionDocument.of(doc))
 
 DATA = REPO / "tests" / "data" / "vllm_metrics"
 BUSY = (DATA / "cpu-tiny-3-streams.txt").read_text()

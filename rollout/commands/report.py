@@ -25,12 +25,13 @@ def register(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
 
 def run(args: argparse.Namespace) -> int:
     """The files written, one path a line; exit 2 when decision.json cannot be read."""
+    from rollout.record.document import BadDocument
     from rollout.record.markdown import regenerate_reports
 
     run_dir = Path(args.run) if Path(args.run).is_dir() else Path(args.runs_dir) / args.run
     try:
         paths = regenerate_reports(run_dir)
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError, BadDocument) as exc:
         print(f"mtp-canary report: {run_dir / 'decision.json'}: cannot read it ({type(exc).__name__}: {exc})",
               file=sys.stderr)
         return EXIT_USAGE
