@@ -665,6 +665,21 @@ def _earlier_look_bounds(
     return one
 
 
+def _folded(cfg: GatesConfig, b_now: _ArmLook, c_now: _ArmLook, q: float) -> tuple[GatesConfig, float]:
+    """(the gates config every look's critical values use, the contrast's look-to-look correlation estimate).
+
+    Where the contrast's own correlation (estimated on all looks so far) exceeds
+    ``gates.look_correlation_max``, every look's critical values are those of that correlation
+    (`stats.folded_look_correlation`): a run whose looks persist more than the plan assumed gets
+    the wider intervals its dependence needs.
+    """
+    estimate = _pair_arms(b_now, c_now, q, cfg.look_correlation_max).correlation_estimate
+    folded = stats.folded_look_correlation(estimate, cfg.look_correlation_max)
+    if folded > cfg.look_correlation_max:
+        cfg = cfg.model_copy(update={"look_correlation_max": folded})
+    return cfg, estimate
+
+
 def _quantile_ratio_bounds(
     *,
     name: str,
@@ -681,16 +696,11 @@ def _quantile_ratio_bounds(
 ) -> _QuantileRatioBounds:
     """Repeated-CI bounds for one quantile ratio, at the pass level and each fail level.
 
-    ``fold``: where the arms are paired by look and the contrast's own look-to-look correlation
-    (estimated on all looks so far) exceeds ``gates.look_correlation_max``, every look's critical
-    values are those of that correlation (`stats.folded_look_correlation`), so a run whose looks
-    persist more than the plan assumed gets the wider intervals its dependence needs.
-
     Returns the numbers a guardrail or the objective needs: point values,
     the pass-side upper bound (alpha), the fail-side lower bound at each of
     ``fail_levels`` (Holm steps), usability flags. Each look's bounds are
     MOVER combinations of the arms' block-robust order-statistic bands; a
-    look without them (see `_why_no_bounds`) restricts nothing.
+    look without them (see `_why_no_bounds`) restricts nothing. ``fold``: see `_folded`.
     """
     boundary_look, planned, information = plan.boundary_look, plan.planned, plan.information
     label = metric.split("_")[0].upper()
@@ -704,12 +714,7 @@ def _quantile_ratio_bounds(
     lower_own = np.full((len(fail_levels), n_looks), -np.inf)
     why_not = ""
     b_now, c_now = b_series.up_to(None, q), c_series.up_to(None, q)
-    estimate = math.nan
-    if fold and use_windows:
-        estimate = _pair_arms(b_now, c_now, q, cfg.look_correlation_max).correlation_estimate
-        folded = stats.folded_look_correlation(estimate, cfg.look_correlation_max)
-        if folded > cfg.look_correlation_max:
-            cfg = cfg.model_copy(update={"look_correlation_max": folded})
+    cfg, estimate = _folded(cfg, b_now, c_now, q) if fold and use_windows else (cfg, math.nan)
     now: _OneLook | None = None
     for i, lk in enumerate(looks):
         upto = lk if (use_windows and lk < boundary_look) else None
