@@ -207,7 +207,7 @@ def _on_init(environment: Environment, **_kwargs) -> None:
         logger.info("load profile: %s (%s)", profile.describe(),
                     "x --mtp-rate requests/s" if options.open_loop else f"x {options.level_users:g} users")
     if isinstance(runner, MasterRunner):
-        runner.register_message(RECORDS_MESSAGE, lambda msg, **_: collector.receive_batch(msg.data))
+        runner.register_message(RECORDS_MESSAGE, lambda msg, **_: _receive(environment, collector, msg.data))
         runner.register_message(FLUSHED_MESSAGE, lambda msg, **_: collector.receive_flushed(msg.data))
         environment.events.worker_connect.add_listener(lambda client_id, **_: collector.expect_worker(client_id))
     elif isinstance(runner, LocalRunner):
@@ -215,13 +215,26 @@ def _on_init(environment: Environment, **_kwargs) -> None:
         # batching and counting as a worker's, so the summary means the same thing
         def deliver_locally(message_type: str, data: dict) -> None:
             if message_type == RECORDS_MESSAGE:
-                collector.receive_batch(data)
+                _receive(environment, collector, data)
             elif message_type == FLUSHED_MESSAGE:
                 collector.receive_flushed(data)
 
         _process.shipper = RecordShipper("local", deliver_locally, key=os.environ.get(RECORDS_KEY_ENV))
         collector.expect_worker("local")
         gevent.spawn(_ship_periodically)
+
+
+def _receive(environment: Environment, collector, data) -> None:
+    """A batch of records into the records file; a file that cannot be written (a full disk) ends the
+    load with a non-zero exit: records lost quietly would stall the experiment until its time cap."""
+    try:
+        collector.receive_batch(data)
+    except OSError as exc:
+        if environment.process_exit_code != 1:
+            logger.error("request records not written: %s: the load stops", exc)
+            collector.note_problem(f"request records not written: {exc}")
+            environment.process_exit_code = 1
+            gevent.spawn(environment.runner.quit)
 
 
 def _on_plan(environment: Environment, msg, **_kwargs) -> None:
