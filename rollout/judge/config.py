@@ -139,8 +139,10 @@ class GatesConfig(pydantic.BaseModel, extra="forbid"):
         description="The look-to-look correlation of an arm's latency level (drift, a replica's state) the TPOT "
         "objective's critical values hold for: the latency intervals are drift-robust over the looks (a Bartlett "
         "long-run variance), the objective's with the worst case of an AR(1) level up to this correlation, the p95 "
-        "guardrails' with the critical values of independent looks. Higher: wider intervals, slower drift covered; a "
-        "twin baseline or a longer run covers drift beyond it (docs/calibration.md).",
+        "guardrails' with the critical values of independent looks. From 6 looks on, the run's own (bias-corrected) "
+        "estimate of the contrast's correlation replaces it when higher, and past 0.9 the objective cannot pass. "
+        "Higher: wider intervals, slower drift covered; a twin baseline or a longer run covers drift beyond it "
+        "(docs/statistics.md, docs/calibration.md).",
     )
     spending: Literal["obrien_fleming", "pocock"] = Field(
         "obrien_fleming",
