@@ -213,6 +213,8 @@ head_run_dir() {  # the run's directory as the root namespace sees the head's /t
   echo "$OUT/hosts/head${dir}"
 }
 
+# VERDICT=0 leaves the first run out (~5 min), where the lock's time is short
+if [ "${VERDICT:-1}" != 0 ]; then
 echo "== a run to a verdict, submitted from the laptop ($(elapsed))"
 t0=$(date +%s)
 submit rehearsal-verdict 600 && code=0 || code=$?
@@ -249,6 +251,7 @@ sleep 5
 left=$(leftovers)
 echo "left after the verdict: ${left:-nothing}"
 check "nothing left after the verdict" test -z "$left"
+fi
 
 echo "== the canary's worker host loses its raylet after the first look ($(elapsed))"
 t0=$(date +%s)
