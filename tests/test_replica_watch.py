@@ -99,3 +99,22 @@ def test_a_failing_poll_is_no_evidence():
     watch = ReplicaWatch("experiment", alive, every_s=1, confirmations=1)
     watch.tick(0)
     watch.check()
+
+
+def test_the_cause_names_the_node_a_replica_ran_on_and_whether_it_is_lost():
+    """A raylet or host that dies takes its replicas: the cause line names the node, not only the replica."""
+    alive, _ = scripted({"canary-0": False})
+    where = {"canary-0": "on node 10.43.7.3 (lost: Ray lists the node dead)"}.get
+    watch = ReplicaWatch("experiment", alive, every_s=1, confirmations=2, where=where)
+    for now in range(2):
+        watch.tick(now)
+    with pytest.raises(InfrastructureError, match=r"replica canary-0 on node 10\.43\.7\.3 \(lost: Ray lists the node dead\) died"):
+        watch.check()
+
+    def broken(name):
+        raise RuntimeError("no fleet")
+
+    watch = ReplicaWatch("experiment", scripted({"canary-0": False})[0], every_s=1, confirmations=1, where=broken)
+    watch.tick(0)
+    with pytest.raises(InfrastructureError, match="experiment: replica canary-0 died"):  # where is a courtesy
+        watch.check()

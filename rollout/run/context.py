@@ -258,6 +258,20 @@ class RunContext:
         self.event(phase, "abort", "abort command")
         return True
 
+    def replica_node(self, name: str) -> str | None:
+        """Where a replica ran, for a cause line: 'on node IP', and 'lost: Ray lists it dead' when its
+        node is gone (a raylet or host that died takes every replica on it); None when unknown."""
+        handle = next((h for h in (self.fleet.replicas if self.fleet is not None else []) if h.name == name), None)
+        node_ip = handle.status.node_ip if handle is not None and handle.status is not None else None
+        if not node_ip:
+            return None
+        try:
+            nodes = [n for n in ray.nodes() if n.get("NodeManagerAddress") == node_ip]
+        except Exception:  # Ray cannot say: the IP alone
+            nodes = []
+        lost = bool(nodes) and not any(n.get("Alive") for n in nodes)
+        return f"on node {node_ip}" + (" (lost: Ray lists the node dead)" if lost else "")
+
     def replicas_alive(self) -> dict[str, bool | None]:
         """Replica name (and ROUTER) -> alive (True), down (False) or no answer in time (None: the
         server, or its actor, is silent; ReplicaWatch calls a long silence a stall)."""

@@ -131,7 +131,7 @@ class Accuracy:
         # several candidates: a candidate's judged FAIL stands from its batch on, as it would stop a
         # one-canary run there (the batches go on for the others)
         regressed: dict[str, tuple[GateResult, GateResult]] = {}
-        watch = ReplicaWatch("accuracy", ctx.replicas_alive)
+        watch = ReplicaWatch("accuracy", ctx.replicas_alive, where=ctx.replica_node)
         limit_s = ctx.cfg.accuracy.max_duration_s
         deadline = time.monotonic() + limit_s  # the whole phase: each request's own timeout is no bound on it
         for start in range(0, len(items), batch_size):

@@ -188,7 +188,7 @@ class ExperimentPhase:
         self.unscraped: set[str] = set()
         self.metrics_start: dict[str, MetricsSnapshot] = {}
         self._last_look_wall: float | None = None
-        self.watch = ReplicaWatch(PHASE, ctx.replicas_alive)
+        self.watch = ReplicaWatch(PHASE, ctx.replicas_alive, where=ctx.replica_node)
 
     @property
     def arms(self) -> tuple[str, ...]:

@@ -32,19 +32,27 @@ STALL_AFTER_S = 45.0
 # with it gone every request fails on both arms alike, and no verdict may come of that
 
 
-def _named(names: list[str]) -> str:
-    return ", ".join(name if name == ROUTER else f"replica {name}" for name in names)
+def _named(names: list[str], where: Callable[[str], str | None] = lambda name: None) -> str:
+    """'replica canary-0 on node 10.0.0.3 (lost: Ray lists it dead)', the router by its name."""
+    parts = []
+    for name in names:
+        place = None if name == ROUTER else where(name)
+        parts.append(name if name == ROUTER else f"replica {name}" + (f" {place}" if place else ""))
+    return ", ".join(parts)
 
 
 class ReplicaWatch:
     """Polls `alive()` (replica name -> True alive / False down / None no answer in time; a name
-    left out is no evidence) and keeps streaks of downs and of silences."""
+    left out is no evidence) and keeps streaks of downs and of silences. `where(name)` says where a
+    replica ran ("on node IP ..."), for the cause line: a lost node is named, not only its replica."""
 
     def __init__(self, phase: str, alive: Callable[[], dict[str, bool | None]], every_s: float = POLL_EVERY_S,
                  confirmations: int = CONFIRMATIONS, stall_after_s: float | None = None,
-                 clock: Callable[[], float] = time.monotonic) -> None:
+                 clock: Callable[[], float] = time.monotonic,
+                 where: Callable[[str], str | None] = lambda name: None) -> None:
         self.phase = phase
         self._alive = alive
+        self._where = where
         self.every_s = every_s
         self.confirmations = confirmations
         self.stall_after_s = STALL_AFTER_S if stall_after_s is None else stall_after_s
@@ -95,16 +103,22 @@ class ReplicaWatch:
         dead = self.dead()
         if dead:
             raise InfrastructureError(
-                f"{self.phase}: {_named(dead)} died (no answer in {self.confirmations} consecutive "
+                f"{self.phase}: {_named(dead, self._safe_where)} died (no answer in {self.confirmations} consecutive "
                 f"health polls); no verdict is built on the survivors"
             )
         stalled = self.stalled()
         if stalled:
             longest = max(self._silent_for(name) for name in stalled)
             raise InfrastructureError(
-                f"{self.phase}: {_named(stalled)} stalled (no answer to /health for {longest:.0f} s, "
+                f"{self.phase}: {_named(stalled, self._safe_where)} stalled (no answer to /health for {longest:.0f} s, "
                 f"{self.confirmations}+ polls in a row); no verdict is built on it"
             )
+
+    def _safe_where(self, name: str) -> str | None:
+        try:
+            return self._where(name)
+        except Exception:  # where it ran is a courtesy of the cause line, never a second failure
+            return None
 
     def _pending(self) -> bool:
         """A down or a silence seen but not yet confirmed either way."""
