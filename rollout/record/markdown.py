@@ -18,7 +18,7 @@ from rollout.analysis.load_sweep import crossover_line, sweep_table
 from rollout.record.pipeline_artifacts import write_pipeline_artifacts
 from rollout.record.document import DecisionDocument, GateRecord
 from rollout.record.html import write_html_report
-from rollout.record.result import RunResult, decision_document, wholly_ejected_line
+from rollout.record.result import ExperimentSummary, RunResult, decision_document, wholly_ejected_line
 
 
 def _num(value: Any, digits: int = 3) -> str:
