@@ -12,7 +12,7 @@ import yaml
 from cluster.engine_spec import EngineSpec
 from cluster.gpu_memory import GpuType, fit_failures, gpu_types, model_need
 from cluster.placement import default_cpus_per_replica, replica_bundle
-from rollout.commands import plan as plan_command
+from rollout.run import cluster_plan
 from rollout.config import ConfigError, load_config
 from tests.conftest import REPO
 
@@ -58,8 +58,8 @@ def test_pipeline_parallel_on_cpu_is_refused():
 def test_gpu_hours_count_every_gpu_of_the_world_size(tmp_path):
     cfg = load_config(REPO / "configs" / "mimo-v2.5-mtp-h100.yaml")
     assert cfg.baseline.engine.world_size == 8 and not cfg.twin_baseline
-    assert plan_command.gpu_hours(cfg)["gpus"] == 16  # baseline + canary x (TP 4 x PP 2)
-    assert [r.bundle for r in plan_command.plan_replicas(cfg)] == [{"GPU": 8.0, "CPU": 10.0}] * 2
+    assert cluster_plan.gpu_hours(cfg)["gpus"] == 16  # baseline + canary x (TP 4 x PP 2)
+    assert [r.bundle for r in cluster_plan.plan_replicas(cfg)] == [{"GPU": 8.0, "CPU": 10.0}] * 2
 
 
 @pytest.mark.parametrize("name,hardware", [("mimo-v2.5-mtp.yaml", "H200"), ("mimo-v2.5-mtp-h100.yaml", "H100")])

@@ -136,3 +136,10 @@ def _gpus_free(expected: float, timeout_s: float = 20) -> bool:
             return False
         time.sleep(0.2)
     return True
+
+
+def test_the_commands_placement_wait_default_is_the_plans():
+    """`plan --help` builds its arguments without importing the plan: the default it shows is the plan's own."""
+    from rollout.run import cluster_plan
+
+    assert plan_command.PLACEMENT_PROBE_S == cluster_plan.PLACEMENT_PROBE_S

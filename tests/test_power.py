@@ -176,11 +176,12 @@ def test_plan_and_the_run_say_what_the_plan_can_decide(tmp_path, capsys, monkeyp
     from types import SimpleNamespace
 
     from rollout.commands import plan as plan_command
+    from rollout.run import cluster_plan
     from rollout.run.phases.setup import Prepare
     from rollout.record.result import RunResult, decision_document
 
     monkeypatch.setattr("cluster.ray_cluster.connect", lambda address: "ray: stub")
-    monkeypatch.setattr(plan_command, "make_plan", lambda cfg, modules, placement_wait_s: plan_command.Plan(
+    monkeypatch.setattr(cluster_plan, "make_plan", lambda cfg, modules, placement_wait_s: cluster_plan.Plan(
         replicas=[], nodes=[], timeouts={"placement_timeout_s": 1, "engine_startup_timeout_s": {"baseline": 1},
                                          "startup_timeout_s": 2, "fits": True}, gpu_hours={"gpu_hours": 0, "gpus": 0,
                                          "planned_s": 0, "estimate": ""}, failures=[], notes=[]))

@@ -204,20 +204,20 @@ def plan_config(cache: str) -> "RolloutConfig":
 
 
 def test_plan_says_per_node_whether_the_weights_are_cached(two_gpu_nodes, hub, cache):
-    from rollout.commands import plan as plan_command
+    from rollout.run import cluster_plan
 
     cfg = plan_config(cache)
-    before = plan_command.make_plan(cfg, modules=("ray",))
+    before = cluster_plan.make_plan(cfg, modules=("ray",))
     replica_nodes = [n for n in before.nodes if n.weights]
     assert sorted(n.node_id for n in replica_nodes) == sorted(node for node, _ in two_gpu_nodes)
     assert all(n.weights == {MODEL: None} for n in replica_nodes)
     assert sum("not cached on node" in note for note in before.notes) == 2 and before.ok  # a note, not a failure
     stage_on_nodes({two_gpu_nodes[0][0]: [MODEL]}, cache, hub, progress=lambda _: None)
-    after = {n.node_id: n.weights[MODEL] for n in plan_command.make_plan(cfg, modules=("ray",)).nodes if n.weights}
+    after = {n.node_id: n.weights[MODEL] for n in cluster_plan.make_plan(cfg, modules=("ray",)).nodes if n.weights}
     staged, other = two_gpu_nodes[0][0], two_gpu_nodes[1][0]
     assert after[staged]["files"] == 4 and after[staged]["path"].endswith(MODEL.replace("/", "--"))
     assert after[other] is None
-    assert "weights example-org/tiny-snapshot: cached at" in plan_command.render(plan_command.make_plan(cfg, modules=("ray",)))
+    assert "weights example-org/tiny-snapshot: cached at" in cluster_plan.render(cluster_plan.make_plan(cfg, modules=("ray",)))
 
 
 def test_a_relative_model_cache_is_a_config_error_naming_the_field(tmp_path):

@@ -4,8 +4,7 @@ from __future__ import annotations
 
 import argparse
 import json
-from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
 from rollout.commands.arguments import EXIT_USAGE, local_time, open_store
 
@@ -13,8 +12,7 @@ if TYPE_CHECKING:
     from rollout.run.store import RunStore
 
 
-@dataclass(frozen=True)
-class HistoryRow:
+class HistoryRow(NamedTuple):
     """One run of a runs directory, as `history` prints it."""
 
     run_id: str

@@ -19,13 +19,11 @@ fast); `run(args)` serves; `python -m rollout.commands.router ...` runs it alone
 from __future__ import annotations
 
 import argparse
-import logging
 import signal
 import sys
 from collections.abc import Callable
-from dataclasses import dataclass
 
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, NamedTuple
 
 from rollout.commands.arguments import parse_alone
 
@@ -41,8 +39,7 @@ EXIT_USAGE = 2
 PROG = "mtp-canary router"
 
 
-@dataclass(frozen=True)
-class RouterPlan:
+class RouterPlan(NamedTuple):
     """What the command line asks for, validated."""
 
     arms: dict[str, list[str]]  # arm -> replica URLs, in the order given
@@ -82,6 +79,7 @@ def run(args: argparse.Namespace) -> int:
         print(f"{PROG}: {exc}", file=sys.stderr)
         return EXIT_USAGE
     import asyncio
+    import logging
 
     logging.basicConfig(level=logging.WARNING, format="%(asctime)s %(message)s")
     with asyncio.Runner(loop_factory=_loop_factory()) as runner:

@@ -99,7 +99,7 @@ def refuse_unstaged(config: RolloutConfig) -> bool:
     model_cache, as `plan` refuses it: every server would download the weights itself inside its
     own startup clock. Before anything starts; the node-side check (the cache usable on every GPU
     node) runs in the setup, once Ray is there (rollout.run.node_check.model_cache_failures)."""
-    from rollout.commands.plan import staging_failures
+    from rollout.run.cluster_plan import staging_failures
 
     for line in staging_failures(config):
         print(f"mtp-canary run: {line}", file=sys.stderr)

@@ -6,7 +6,6 @@ import argparse
 import json
 import sys
 import time
-from dataclasses import replace
 from typing import TYPE_CHECKING
 
 from rollout.commands.arguments import EXIT_USAGE, local_time, open_store, refuse_run_id
@@ -21,6 +20,8 @@ def run(args: argparse.Namespace) -> int:
     store = open_store(args.runs_dir, "status")
     if store is None:
         return EXIT_USAGE
+    import dataclasses
+
     from rollout.run.status import run_status
 
     # one-shot: a controller on another host that looks gone by the wall clocks is watched for two
@@ -36,7 +37,7 @@ def run(args: argparse.Namespace) -> int:
     # status changes, until the run is decided or its controller is gone; exits as `run` does
     last = None
     while True:
-        shown = replace(doc, updated_at=0.0)  # the heartbeat moves it
+        shown = dataclasses.replace(doc, updated_at=0.0)  # the heartbeat moves it
         if shown != last:
             print(f"--- {time.strftime('%H:%M:%S')}", flush=True)
             _print_status(doc, args.json)

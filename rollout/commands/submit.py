@@ -30,7 +30,6 @@ decided (exit 0, 3, 4) but whose document is missing or unreadable is exit 1, ne
 from __future__ import annotations
 
 import argparse
-import asyncio
 import json
 import os
 import re
@@ -38,10 +37,8 @@ import shlex
 import signal
 import sys
 import time
-import dataclasses
-from dataclasses import dataclass
 from pathlib import Path
-from typing import TextIO
+from typing import NamedTuple, TextIO
 
 from rollout.commands.arguments import parse_alone
 from rollout.record.log_line import DECISION_IN_LOG_ENV, DECISION_PREFIX, decision_from_log
@@ -70,8 +67,7 @@ class SubmitError(Exception):
     """One line for stderr; the submission ends with exit 1."""
 
 
-@dataclass(frozen=True)
-class Outcome:
+class Outcome(NamedTuple):
     """How a followed job ended, and what `submit` exits with."""
 
     job_id: str
@@ -181,6 +177,8 @@ def follow(client, job_id: str, out: TextIO, poll_s: float = 1.0) -> Outcome:
     from ray.job_submission import JobStatus
 
     try:
+        import asyncio
+
         log = asyncio.run(_tail(client, job_id, out))
     except Exception as exc:  # the log stream broke: the job may still run; poll it
         print(f"mtp-canary submit: log stream ended ({type(exc).__name__}); waiting for job {job_id}", file=sys.stderr)
@@ -192,7 +190,7 @@ def follow(client, job_id: str, out: TextIO, poll_s: float = 1.0) -> Outcome:
     status = info.status.value if isinstance(info.status, JobStatus) else str(info.status)
     outcome = outcome_of(job_id, status, getattr(info, "driver_exit_code", None), info.message or "", log)
     doc, why = decision_from_log(log)
-    return dataclasses.replace(outcome, decision_doc=doc, decision_problem=why)
+    return outcome._replace(decision_doc=doc, decision_problem=why)
 
 
 def submit_entrypoint(address: str, entrypoint: list[str], working_dir: Path | None, out: TextIO = sys.stdout,
