@@ -157,6 +157,36 @@ def _kernel_stamp(ancillary: list[tuple[int, int, bytes]], floor: float, clock: 
     return None
 
 
+# A read's time is when its bytes reached this host. On a plain TCP socket the kernel stamps each
+# arriving segment (SO_TIMESTAMPNS), and the stamp of the read is `clock()` right after it less how
+# long its bytes sat in the socket: a busy generator (other streams' chunks handled first, a gevent
+# loop iteration, a CPU shared with other processes) does not bend TTFT or E2E. Without kernel
+# stamps (TLS, other platforms) it is `clock()` right after the read.
+#
+# The kernel's stamp of a TCP read is that of its last segment: right for the end of a stream, but
+# a read that came late (the generator stalled longer than a token's time) holds several chunks.
+# So while the reader has not seen its first output chunk, a read is also stamped with its first
+# segment's arrival, which a one-byte MSG_PEEK reports: one more syscall for the first read or two.
+# (Small segments that wait in a socket may be merged by the kernel, which keeps the newest stamp:
+# after a stall longer than the gap between two chunks, TTFT can get the later chunk's time, never
+# the read's.) Only the stamps that are used become times: the reads until the first output chunk
+# (TTFT) and the one that ends the response (E2E); the others get `clock()`.
+def _read_stamps(first_ancillary: list | None, last_ancillary: list | None, now: float, floor: float,
+                 clock: Callable[[], float]) -> tuple[float, float, float]:
+    """(start, end, new floor) of one read from the kernel's stamps of its first segment (a peek,
+    when asked) and of its last (the read that ends the response); `now` where a stamp is missing."""
+    start_s = end_s = now
+    first_stamp = _kernel_stamp(first_ancillary, floor, clock) if first_ancillary is not None else None
+    if first_stamp is not None:
+        start_s = floor = first_stamp
+    last_stamp = _kernel_stamp(last_ancillary, floor, clock) if last_ancillary is not None else None
+    if last_stamp is not None:
+        end_s = last_stamp
+        if first_stamp is None:
+            start_s = last_stamp
+    return start_s, end_s, floor
+
+
 def _read_body(
     response: Any,
     on_read: Callable[[float, bytes, float], None],
@@ -166,28 +196,13 @@ def _read_body(
     stamp_first_bytes: Callable[[], bool] | None = None,
 ) -> None:
     """Read a response body to its end, one socket read at a time, handing each read's
-    body bytes and its perf_counter time to `on_read`. Uses the response's parser state
-    (geventhttpclient HTTPSocketResponse: `_body_buffer`, `_sock`, `feed`).
+    body bytes and when they arrived (start, end: perf_counter) to `on_read`. Uses the response's
+    parser state (geventhttpclient HTTPSocketResponse: `_body_buffer`, `_sock`, `feed`).
 
-    A read's time is when its bytes reached this host, not when this greenlet got round
-    to reading them: on a plain TCP socket the kernel stamps each arriving segment
-    (SO_TIMESTAMPNS), and the stamp of the read is `clock()` right after it less how long
-    its bytes sat in the socket. So a busy generator (other streams' chunks handled
-    first, a gevent loop iteration, a CPU shared with other processes) does not bend
-    TTFT or E2E. Without kernel stamps (TLS, other platforms) it is `clock()` right after
-    the read. Body bytes that came with the headers (the client had not read the headers
-    when the first chunk came) are stamped when the headers were parsed.
-
-    The kernel's stamp of a TCP read is that of its last segment: right for the end of a
-    stream (`end_s`), but a read that came late (the generator stalled longer than a
-    token's time) holds several chunks. So while `stamp_first_bytes()` says so (the
-    reader has not seen its first output chunk yet), a read is also stamped with its
-    first segment's arrival (`start_s`), which a one-byte MSG_PEEK reports: one more
-    syscall for the first read or two. (Small segments that wait in a socket may be
-    merged by the kernel, which keeps the newest stamp: after a stall longer than the
-    gap between two chunks, TTFT can get the later chunk's time, never the read's.)
-    Only the stamps that are used become times: the reads until the first output chunk
-    (TTFT) and the one that ends the response (E2E); the others get `clock()`."""
+    A read's time is when its bytes reached this host, not when this greenlet got round to
+    reading them (the kernel's receive stamps: the comment above `_read_stamps`), so a busy
+    generator does not bend TTFT or E2E. Body bytes that came with the headers are stamped
+    when the headers were parsed."""
     buffer = response._body_buffer
     if buffer:  # body bytes that came with the headers
         now = clock()
@@ -240,14 +255,8 @@ def _read_body(
             complete = response.message_complete
             start_s = end_s = now  # when the read's first and last bytes arrived
             if stamped and (first or complete):
-                first_stamp = _kernel_stamp(first_ancillary, floor, clock) if first else None
-                if first_stamp is not None:
-                    start_s = floor = first_stamp
-                last_stamp = _kernel_stamp(ancillary, floor, clock) if complete else None
-                if last_stamp is not None:
-                    end_s = last_stamp
-                    if first_stamp is None:
-                        start_s = last_stamp
+                start_s, end_s, floor = _read_stamps(first_ancillary if first else None,
+                                                     ancillary if complete else None, now, floor, clock)
             if buffer:
                 body = bytes(buffer)
                 del buffer[:]
