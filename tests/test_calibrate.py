@@ -158,7 +158,7 @@ def _controller_looks(records, ends, cfg, canary_spec) -> list[list]:
     ctx = SimpleNamespace(
         run_id="replay", config=ExperimentConfig(requests_per_look=40, requests_per_arm=200, window_s=10, max_duration_s=480),
         gates=cfg, store=store, scrape=lambda: {}, replica_arms={}, speculative_canary=True,
-        say=lambda message: None, event=lambda kind, text: None, replicas_alive=lambda: {}, twin=False, candidates=(), speculative={},
+        say=lambda message: None, event=lambda kind, text: None, replicas_alive=lambda: {}, replica_node=lambda name: None, twin=False, candidates=(), speculative={},
         lost=frozenset(),
     )
     phase = ExperimentPhase(ctx)

@@ -96,7 +96,7 @@ class Experiment:
                 say=ctx.say,
                 event=lambda event, reason: ctx.event("experiment", event, reason),
                 aborted=lambda: ctx.aborted("experiment"),
-                replicas_alive=ctx.replicas_alive,
+                replicas_alive=ctx.replicas_alive, replica_node=ctx.replica_node,
                 twin=ctx.cfg.twin_baseline,
                 candidates=tuple(c.name for c in ctx.cfg.candidates),
                 speculative={c.name: ctx.engines[c.name].num_speculative_tokens > 0 for c in ctx.cfg.candidates},

@@ -139,6 +139,8 @@ class ExperimentContext:
     aborted: Callable[[], bool]
     # replica name -> alive (a name left out: no evidence); a confirmed death ends the phase
     replicas_alive: Callable[[], dict[str, bool]] = lambda: {}
+    # where a replica ran ("on node IP"), for the cause line of a confirmed death or stall
+    replica_node: Callable[[str], str | None] = lambda name: None
     twin: bool = False  # a twin baseline arm gets the experiment's traffic (its A/A ratio is the noise floor)
     # several candidates: their arm names, and whether each speculates (its acceptance gate then needs drafts)
     candidates: tuple[str, ...] = ()
