@@ -4,12 +4,8 @@ from __future__ import annotations
 
 import argparse
 import sys
-from typing import TYPE_CHECKING
 
 from rollout.commands.arguments import EXIT_USAGE, refuse_bad_environment
-
-if TYPE_CHECKING:
-    pass
 
 
 MAKE_MODEL_EPILOG = """\

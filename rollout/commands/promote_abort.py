@@ -7,12 +7,8 @@ from __future__ import annotations
 
 import argparse
 import sys
-from typing import TYPE_CHECKING
 
 from rollout.commands.arguments import EXIT_USAGE, find_run, refuse_run_id
-
-if TYPE_CHECKING:
-    pass
 
 
 def register(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:
