@@ -35,8 +35,10 @@ RUNS = sorted(p.name for p in RECORDED.iterdir() if (p / "decision.json").exists
 # what varies from run to run in the paths themselves: the probe's keys (layer counts it timed),
 # and the arg names a server logged as non-default (they follow the config and vLLM's version)
 VARIABLE_SUBTREES = ("prepare.tiny_model.",)
-# and the acceptance slices' items (none in a recorded run: its records had no counters of their own)
-VARIABLE_PATHS = re.compile(r"^arms\.[^.]+\.servers\.[^.]+\.non_default_args\.|^spec_decode\.[^.]+\.by_(prompt_length|turn)\[\]\.")
+# and the acceptance slices' items (none in a recorded run: its records had no counters of their own), and
+# the objective's own correlation estimate (written from 6 looks on; `beyond_plan` only when true)
+VARIABLE_PATHS = re.compile(r"^arms\.[^.]+\.servers\.[^.]+\.non_default_args\.|^spec_decode\.[^.]+\.by_(prompt_length|turn)\[\]\."
+                            r"|^experiment\.dependence\.(correlation_estimate|critical_correlation|beyond_plan)$")
 
 
 def key_paths(value, prefix: str = "") -> set[str]:
