@@ -154,8 +154,10 @@ def test_two_resumes_started_together_only_one_takes_the_run(tmp_path):
 
 
 def test_sigterm_during_the_gpu_placement_wait_ends_the_run_before_any_replica(tmp_path):
-    # GPU arms on a cluster without GPUs: the fleet waits for placement (up to placement_timeout_s)
-    gpu = {"model": "some-org/some-model", "device": "gpu"}
+    # GPU arms on a cluster without GPUs: the fleet waits for placement (up to placement_timeout_s). A local
+    # model path: a hub id without model_cache is refused before anything starts (rollout.run.cluster_plan)
+    (tmp_path / "weights").mkdir()
+    gpu = {"model": str(tmp_path / "weights"), "device": "gpu"}
     config = run_config(tmp_path, "http://unused", "http://unused", progressive=True, experiment={"enabled": False},
                         baseline={"endpoints": [], "engine": gpu}, canary={"endpoints": [], "engine": gpu},
                         ray={"check_nodes": "never"})
