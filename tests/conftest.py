@@ -140,3 +140,19 @@ def tiny_model_dir(tiny_sizing) -> Path:
 def tiny_dtype(tiny_sizing) -> str:
     """The engine dtype for the sized checkpoint (float32 on CPUs without native bf16)."""
     return tiny_sizing.dtype
+
+
+def tmpfs_mount(tmp_path: Path, size: str):
+    """A small tmpfs at tmp_path/runs for a test that fills a disk (skipped where mounting is not allowed),
+    unmounted afterwards: a generator for a fixture to `yield from`."""
+    import subprocess
+
+    mount = tmp_path / "runs"
+    mount.mkdir()
+    done = subprocess.run(["mount", "-t", "tmpfs", "-o", f"size={size}", "tmpfs", str(mount)], capture_output=True)
+    if done.returncode != 0:
+        pytest.skip(f"cannot mount a small tmpfs here: {done.stderr.decode().strip()[:200]}")
+    try:
+        yield mount
+    finally:
+        subprocess.run(["umount", "-l", str(mount)], check=False)

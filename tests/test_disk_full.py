@@ -12,7 +12,6 @@ import errno
 import json
 import os
 import signal
-import subprocess
 import sys
 import threading
 from http.server import BaseHTTPRequestHandler, HTTPServer
@@ -24,7 +23,7 @@ from rollout.run import controller as controller_module
 from rollout.config import WeightHookConfig, load_config
 from rollout.run.controller import Controller
 from rollout.run.store import RunStore
-from tests.conftest import REPO
+from tests.conftest import REPO, tmpfs_mount
 from tests.faults.endpoint_run import HOOK
 from tests.test_controller import Promotes
 
@@ -48,15 +47,7 @@ def own_signals():
 
 @pytest.fixture
 def small_disk(tmp_path):
-    mount = tmp_path / "runs"
-    mount.mkdir()
-    done = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=4m", "tmpfs", str(mount)], capture_output=True)
-    if done.returncode != 0:
-        pytest.skip(f"cannot mount a small tmpfs here: {done.stderr.decode().strip()[:200]}")
-    try:
-        yield mount
-    finally:
-        subprocess.run(["umount", "-l", str(mount)], check=False)
+    yield from tmpfs_mount(tmp_path, "4m")
 
 
 def fill(directory) -> None:

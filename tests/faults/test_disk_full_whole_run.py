@@ -12,13 +12,12 @@ and the reports is a race.
 from __future__ import annotations
 
 import json
-import subprocess
 
 import pytest
 
 from benchmarks.stream_target import TargetProcess
 from rollout.run.store import RunStore
-from tests.conftest import ray_processes, server_processes, wait_gone
+from tests.conftest import ray_processes, server_processes, tmpfs_mount, wait_gone
 from tests.faults.endpoint_run import CliRun, hook_weights, run_config
 from tests.test_disk_full import fill
 
@@ -28,15 +27,7 @@ pytestmark = pytest.mark.vllm
 
 @pytest.fixture
 def runs_disk(tmp_path):
-    mount = tmp_path / "runs"
-    mount.mkdir()
-    done = subprocess.run(["mount", "-t", "tmpfs", "-o", "size=64m", "tmpfs", str(mount)], capture_output=True)
-    if done.returncode != 0:
-        pytest.skip(f"cannot mount a small tmpfs here: {done.stderr.decode().strip()[:200]}")
-    try:
-        yield mount
-    finally:
-        subprocess.run(["umount", "-l", str(mount)], check=False)
+    yield from tmpfs_mount(tmp_path, "64m")
 
 
 def test_a_runs_dir_that_fills_mid_experiment_ends_the_run_as_an_error_everywhere(tmp_path, runs_disk):
