@@ -18,6 +18,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, field_validator, model_validator
 
+from cluster.speculation import speculative_config_error, speculative_label, speculative_tokens
+
 Device = Literal["cpu", "gpu"]
 
 # Engine flags the replica itself owns, and which field (or the replica) sets each: a user
@@ -278,7 +280,9 @@ class EngineSpec(BaseModel):
         "refuse a layout that cannot hold it (cluster.gpu_memory)",
     )
     speculative_config: dict[str, Any] | None = Field(
-        None, description='--speculative-config, e.g. {"method": "mtp", "num_speculative_tokens": 3}'
+        None, description='--speculative-config, any method vLLM accepts: {"method": "mtp", "num_speculative_tokens": 3}, '
+        '{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 4}, a drafter {"method": "dflash", '
+        '"model": ..., "num_speculative_tokens": ...}; null: no speculation (docs/speculative-methods.md)'
     )
     enforce_eager: bool = Field(False, description="--enforce-eager")
     trust_remote_code: bool = Field(False, description="--trust-remote-code")
@@ -298,14 +302,13 @@ class EngineSpec(BaseModel):
 
     @field_validator("speculative_config")
     @classmethod
-    def _speculative_config_has_method(cls, value: dict[str, Any] | None) -> dict[str, Any] | None:
+    def _speculative_config_vllm_accepts(cls, value: dict[str, Any] | None) -> dict[str, Any] | None:
+        # any method vLLM 0.32 accepts, refused here in one line where vLLM would refuse it (cluster.speculation)
         if value is None:
             return value
-        if "method" not in value and "model" not in value:
-            raise ValueError("needs a 'method' (e.g. 'mtp') or a draft 'model'")
-        k = value.get("num_speculative_tokens")
-        if k is not None and (not isinstance(k, int) or isinstance(k, bool) or k < 1):
-            raise ValueError("num_speculative_tokens must be an integer >= 1")
+        error = speculative_config_error(value)
+        if error:
+            raise ValueError(error)
         return value
 
     @field_validator("extra_args")
@@ -358,10 +361,13 @@ class EngineSpec(BaseModel):
 
     @property
     def num_speculative_tokens(self) -> int:
-        """k of the speculative config; 0 when the engine does not speculate."""
-        if not self.speculative_config:
-            return 0
-        return int(self.speculative_config.get("num_speculative_tokens", 1))
+        """k of the speculative config (suffix decoding: its most); 0 when the engine does not speculate."""
+        return speculative_tokens(self.speculative_config)
+
+    @property
+    def speculation(self) -> str:
+        """The speculative config as a report names it: 'mtp k=2', 'ngram k=3', 'no speculation'."""
+        return speculative_label(self.speculative_config)
 
     def command(self, port: int, host: str = "127.0.0.1", python: str | None = None) -> list[str]:
         """The server's command line.

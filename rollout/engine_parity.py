@@ -1,7 +1,8 @@
 """Engine parity: do the arms differ only in the fields under test?
 
 A canary comparison is fair only when the arms run the same engine except for what the run
-judges (for MTP: `speculative_config`). A canary that also changes `--max-num-seqs`, prefix
+judges (by default the whole `speculative_config`: method, k, drafter, verification, or none at
+all; `experiment.under_test` names others). A canary that also changes `--max-num-seqs`, prefix
 caching, the dtype or the checkpoint would be judged as if speculation made the difference.
 This module owns that comparison, as pure functions over plain data:
 

@@ -274,7 +274,7 @@ def test_a_candidate_is_lost_before_the_experiment_only_by_a_gate_the_run_judges
     FAIL did, and the candidate's experiment gates were then never judged."""
     from types import SimpleNamespace
 
-    from rollout.run.phases.candidates import lost_candidates
+    from rollout.run.phases.candidate_choice import lost_candidates
 
     cfg = SimpleNamespace(gates=GatesConfig(disabled=["output_divergence"]))
     ctx = SimpleNamespace(cfg=cfg, candidate_gates={
@@ -283,3 +283,57 @@ def test_a_candidate_is_lost_before_the_experiment_only_by_a_gate_the_run_judges
         "k4": [gate("preflight_speculation", Verdict.FAIL)],
     })
     assert lost_candidates(ctx) == {"k3", "k4"}
+
+
+def test_a_candidate_without_speculation_is_judged_without_the_acceptance_floor():
+    """Rule: "no speculation" is a candidate; its acceptance-length floor does not apply (no drafts) and says so.
+    Judged as a speculating arm's it stays INCONCLUSIVE for ever, and the arm could never win."""
+    from rollout.judge.candidates import NOT_APPLICABLE, not_applicable_acceptance
+    from rollout.judge.names import ACCEPTANCE_NAME
+
+    cfg = GatesConfig(enabled=[OBJECTIVE_NAME, ACCEPTANCE_NAME])
+    judged = [gate(OBJECTIVE_NAME, Verdict.PASS, 0.9), gate(ACCEPTANCE_NAME, Verdict.INCONCLUSIVE)]
+    assert CandidateResult("none", 0, judged).decision(cfg) is Decision.INCONCLUSIVE
+    marked = not_applicable_acceptance(judged, "none")
+    floor = next(g for g in marked if g.name == ACCEPTANCE_NAME)
+    assert floor.detail.startswith(NOT_APPLICABLE + "none does not speculate") and floor.verdict is Verdict.PASS
+    assert marked[0] == judged[0], "the other gates are left as judged"
+    assert CandidateResult("none", 0, marked).decision(cfg) is Decision.PROMOTE
+
+
+def test_the_looks_mark_the_floor_not_applicable_only_for_a_candidate_that_does_not_speculate(monkeypatch):
+    import rollout.judge.candidates as candidates
+    from rollout.judge.experiment_looks import LookPlan
+    from rollout.judge.names import ACCEPTANCE_NAME
+
+    def judged(*args, **kwargs):
+        return [gate(OBJECTIVE_NAME, Verdict.INCONCLUSIVE, 0.9), gate(ACCEPTANCE_NAME, Verdict.INCONCLUSIVE)], None
+
+    monkeypatch.setattr(candidates, "judge_look_with_floor", judged)
+    plan = LookPlan(requests_per_look=10, requests_per_arm=100, min_interval_s=0.0, min_looks=1, max_duration_s=60.0)
+    looks = candidates.CandidateLooks(("none", "ngram"), candidate_gates(CFG, 2), plan)
+    looks.look(1, [], [], [0.1], spec_of=lambda name: None, speculative={"none": False, "ngram": True})
+    floors = {name: next(g for g in gates if g.name == ACCEPTANCE_NAME) for name, gates in looks.gates.items()}
+    assert floors["none"].detail.startswith("not applicable") and floors["none"].verdict is Verdict.PASS
+    assert floors["ngram"].verdict is Verdict.INCONCLUSIVE, "a speculating candidate's floor is judged as it was"
+
+
+def test_candidates_of_other_methods_are_named_with_their_config_and_no_speculation_drafts_least():
+    """The tie rule's cost is the draft tokens per step whatever the method; no speculation drafts none."""
+    from cluster.speculation import speculative_label
+
+    def of(name, config, ratio):
+        from cluster.speculation import speculative_tokens
+        return CandidateResult(name, speculative_tokens(config), candidate(name, 0, ratio).gates, speculative_label(config))
+
+    choice = choose_winner([
+        of("mtp3", {"method": "mtp", "num_speculative_tokens": 3}, 0.700),
+        of("ngram", {"method": "ngram", "num_speculative_tokens": 3}, 0.900),
+        of("plain", None, 0.710),
+    ], CFG)
+    assert choice.winner == "plain"  # within 2% of mtp k=3 and drafts nothing
+    assert choice.reasons["plain"] == "promoted: TPOT p50 ratio 0.710 (no speculation)"
+    assert choice.reasons["mtp3"].startswith("passed, tied with plain (no speculation) (TPOT p50 ratio 0.700 vs 0.710")
+    assert choice.reasons["ngram"] == "passed, but plain (no speculation) is faster (TPOT p50 ratio 0.710 vs 0.900)"
+    unnamed = choose_winner([candidate("k2", 2, 0.8), candidate("k3", 3, 0.7)], CFG)
+    assert unnamed.reasons["k2"] == "passed, but k3 is faster (TPOT p50 ratio 0.700 vs 0.800)", "no label: as before"

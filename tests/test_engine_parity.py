@@ -383,3 +383,21 @@ def test_arms_laid_out_over_other_pipeline_stages_differ_in_it():
     """A replica's pipeline stages change its GPUs and its speed: a difference the parity check names."""
     found = engine_differences(engine(device="gpu"), engine(device="gpu", pipeline_parallel_size=2))
     assert [(d.field, d.baseline, d.candidate) for d in found] == [("pipeline_parallel_size", "1", "2")]
+
+
+@pytest.mark.parametrize("other", [
+    None,  # no speculation
+    {"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 4},
+    {"method": "suffix"},
+    {"method": "dflash", "model": "z-lab/drafter", "num_speculative_tokens": 15},
+    {"method": "mtp", "num_speculative_tokens": 1, "rejection_sample_method": "block"},
+])
+def test_the_whole_speculative_config_is_the_field_under_test(other):
+    """Rule: arms that differ in method, drafter, verification or in speculating at all differ in one field,
+    speculative_config, under test by default; anything else beside it is still refused."""
+    found = engine_differences(engine(), engine(speculative_config=other))
+    assert fields_of(found) == ["speculative_config"]
+    assert parity_error({"ngram": found}, ["speculative_config"]) is None
+    beside = engine_differences(engine(), engine(speculative_config=other, dtype="float32"))
+    assert fields_of(beside) == ["dtype", "speculative_config"]
+    assert "dtype" in parity_error({"ngram": beside}, ["speculative_config"])

@@ -26,7 +26,13 @@ The winner
 Among the candidates whose own decision is PROMOTE, the lowest TPOT p50 ratio
 (candidate / baseline) wins; ratios within ``tie_tolerance`` (relative) of the best
 are a tie, and a tie goes to the cheaper candidate (fewer draft tokens per step: less
-draft compute and KV for the same speed). Every other candidate gets the reason it
+draft compute and KV for the same speed; an arm without speculation drafts none).
+
+Candidates may differ in the whole speculative config (method, k, drafter, verification),
+and "no speculation" is a candidate too. For a candidate that does not speculate the
+acceptance-length floor does not apply (there are no drafts to accept): its result says
+"not applicable" and counts as met (`not_applicable_acceptance`), as the progressive
+step's acceptance guard does for a canary without speculation (rollout.judge.guards). Every other candidate gets the reason it
 lost: the gates that failed, the gates still undecided, or the winner that beat it.
 The run's decision: PROMOTE with a winner; ROLLBACK when every candidate rolled back;
 INCONCLUSIVE otherwise (a candidate that might still pass was not decided).
@@ -42,12 +48,12 @@ from cluster.metrics import SpecDecodeStats
 from loadtests.records import RequestRecord
 from rollout.judge.config import GatesConfig
 from rollout.judge.experiment_looks import LookPlan, judge_look_with_floor, stop_after
-from rollout.judge.names import OBJECTIVE_NAME
+from rollout.judge.names import ACCEPTANCE_NAME, OBJECTIVE_NAME
 from rollout.judge.prefix_cache import PrefixCacheLooks
 from rollout.judge.verdicts import Decision, GateResult, Verdict, counted_gates, decide, missing_gates
 
-__all__ = ["TIE_TOLERANCE", "CandidateLooks", "CandidateResult", "CandidateChoice", "candidate_gates", "candidate_view",
-           "choose_winner"]
+__all__ = ["TIE_TOLERANCE", "NOT_APPLICABLE", "CandidateLooks", "CandidateResult", "CandidateChoice", "candidate_gates",
+           "candidate_view", "choose_winner", "not_applicable_acceptance"]
 
 # Two candidates whose TPOT ratios differ by less than 2% are a tie: on shared CPU cores a
 # run's per-look TPOT swings by more than that (configs/local-cpu.yaml), and on a GPU 2% of
@@ -86,6 +92,25 @@ def candidate_view(records: Sequence[RequestRecord], looks_of: Sequence[int],
     return out, looks
 
 
+NOT_APPLICABLE = "not applicable: "
+
+
+def not_applicable_acceptance(gates: Sequence[GateResult], candidate: str) -> list[GateResult]:
+    """``gates`` of a candidate that does not speculate, its acceptance-length floor marked as not applicable.
+
+    Judged as for a speculating arm it could never pass (no drafts: INCONCLUSIVE), so the arm
+    "no speculation" could never win. The gate stays in the record, its verdict met, its detail
+    saying why and with what numbers (none)."""
+    return [
+        g.model_copy(update={
+            "verdict": Verdict.PASS,
+            "detail": f"{NOT_APPLICABLE}{candidate} does not speculate (no speculative_config): no drafts, no "
+                      "acceptance length to floor; counted as met",
+        }) if g.name == ACCEPTANCE_NAME else g
+        for g in gates
+    ]
+
+
 @dataclass
 class CandidateLooks:
     """Every candidate's gates through the looks of one experiment (the live loop and calibrate's
@@ -121,8 +146,9 @@ class CandidateLooks:
                 stops[name] = "evidence"
                 continue
             view, view_looks = candidate_view(records, looks_of, name)
-            self.gates[name], _ = judge_look_with_floor(view, view_looks, fractions, self.cfg, self.plan, spec_of(name),
-                                                        speculative.get(name, False), prefix_cache=prefix_cache_of(name))
+            gates, _ = judge_look_with_floor(view, view_looks, fractions, self.cfg, self.plan, spec_of(name),
+                                             speculative.get(name, False), prefix_cache=prefix_cache_of(name))
+            self.gates[name] = gates if speculative.get(name, False) else not_applicable_acceptance(gates, name)
             stops[name] = stop_after(look, fractions, self.plan, self.gates[name], self.cfg)
             if stops[name] == "evidence":
                 self.settled_at[name] = look
@@ -136,8 +162,14 @@ class CandidateResult:
     """One candidate's gates, judged against the baseline at its share of alpha."""
 
     name: str
-    speculative_tokens: int  # draft tokens per step: the tie-break's cost
+    speculative_tokens: int  # draft tokens per step (0: no speculation): the tie-break's cost
     gates: Sequence[GateResult]
+    speculation: str = ""  # how the report names its config: 'mtp k=2' (cluster.speculation.speculative_label)
+
+    @property
+    def title(self) -> str:
+        """The name, with its speculative config when given: 'ng (ngram k=3)'."""
+        return f"{self.name} ({self.speculation})" if self.speculation else self.name
 
     def decision(self, cfg: GatesConfig) -> Decision:
         return decide(self.gates, cfg)
@@ -193,17 +225,18 @@ def choose_winner(results: Sequence[CandidateResult], cfg: GatesConfig, tie_tole
         return CandidateChoice(decision, None, {r.name: reasons[r.name] for r in results})
     ratio = winner.tpot_ratio()
     won = "promoted" if ratio is None else f"promoted: TPOT p50 ratio {ratio:.3f}"
+    won += f" ({winner.speculation})" if winner.speculation else ""
     for r in results:
         if r.name == winner.name:
             reasons[r.name] = won
         elif r.name not in reasons:
             mine = r.tpot_ratio()
             if r.name in {t.name for t in tied} and r.speculative_tokens > winner.speculative_tokens:
-                reasons[r.name] = (f"passed, tied with {winner.name} (TPOT p50 ratio {mine:.3f} vs {ratio:.3f}, within "
+                reasons[r.name] = (f"passed, tied with {winner.title} (TPOT p50 ratio {mine:.3f} vs {ratio:.3f}, within "
                                    f"{tie_tolerance:.0%}), which drafts fewer tokens ({winner.speculative_tokens} vs "
                                    f"{r.speculative_tokens})")
             elif mine is not None and ratio is not None:
-                reasons[r.name] = f"passed, but {winner.name} is faster (TPOT p50 ratio {ratio:.3f} vs {mine:.3f})"
+                reasons[r.name] = f"passed, but {winner.title} is faster (TPOT p50 ratio {ratio:.3f} vs {mine:.3f})"
             else:
-                reasons[r.name] = f"passed, but {winner.name} was chosen (no TPOT estimate to rank by: fewer draft tokens first)"
+                reasons[r.name] = f"passed, but {winner.title} was chosen (no TPOT estimate to rank by: fewer draft tokens first)"
     return CandidateChoice(Decision.PROMOTE, winner.name, {r.name: reasons[r.name] for r in results})
