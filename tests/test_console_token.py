@@ -1,6 +1,6 @@
 """A console beyond loopback needs a router token the operator chose ($MTP_CANARY_ROUTER_TOKEN by
 default), as README says: a token the run made for itself (a router beyond loopback gets one)
-would guard Promote / Abort with a secret nobody can type (rollout.run.phases.experiment.with_console)."""
+would guard Promote / Abort with a secret nobody can type (rollout.run.phases.web_ui.with_console)."""
 
 from __future__ import annotations
 
@@ -12,7 +12,7 @@ import pytest
 from loadtests.options import TrafficOptions
 from loadtests.swarm import SwarmSpec
 from rollout.config import load_config
-from rollout.run.phases.experiment import with_console
+from rollout.run.phases.web_ui import with_console
 from rollout.run.context import InfrastructureError
 from tests.conftest import REPO
 

@@ -17,6 +17,7 @@ import ray
 from rollout.run import controller as controller_module
 from rollout.config import load_config
 from rollout.run.controller import Controller
+from rollout.run.decision import Decided
 from rollout.judge.verdicts import Decision
 from rollout.run.store import RunStore, controller_alive
 from tests.conftest import REPO
@@ -30,10 +31,9 @@ class Promotes:
     def enabled(self, ctx) -> bool:
         return True
 
-    def run(self, ctx) -> None:
-        ctx.result.decision = Decision.PROMOTE
-        ctx.result.reason = "every gate passed"
+    def run(self, ctx) -> Decided:
         ctx.result.arms = self.arms(ctx)
+        return Decided(Decision.PROMOTE, "every gate passed")
 
     def arms(self, ctx) -> dict:
         return {"baseline": {"replicas": 1, "engine": {"model": "m"}}, "canary": {"replicas": 1, "engine": {"model": "m", "k": 3}}}

@@ -29,6 +29,6 @@ def test_an_other_traffic_check_blocks_promote_under_an_explicit_list_of_gates(t
                      result=RunResult(run_id="r", run_dir=tmp_path / "r", config=cfg), progress=lambda line: None,
                      cache_dir=tmp_path, point=ResumePoint.fresh(), namespace="test")
     ctx.result.gates = [_gate("tpot_p50_improvement", Verdict.PASS), _gate("experiment_other_traffic", Verdict.INCONCLUSIVE)]
-    Decide().run(ctx)
+    ctx.record_decision(Decide().run(ctx))
     assert ctx.result.decision is Decision.INCONCLUSIVE, ctx.result.reason
     assert "experiment_other_traffic" in ctx.result.reason

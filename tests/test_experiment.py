@@ -218,7 +218,7 @@ def test_a_capped_experiment_is_inconclusive_and_its_reason_has_the_counts(tmp_p
     from rollout.config import load_config
     from rollout.run.controller import Controller
     from rollout.judge.verdicts import Decision, GateResult
-    from rollout.run.phases.decide import decide_now
+    from rollout.run.decision import decide_now
 
     ctx = Controller(load_config("configs/local-cpu.yaml"), runs_dir=tmp_path, run_id="capped").ctx
     ctx.experiment_capped = "experiment.max_duration_s (240 s) reached after 2 look(s): baseline 61, canary 60"
@@ -228,10 +228,10 @@ def test_a_capped_experiment_is_inconclusive_and_its_reason_has_the_counts(tmp_p
         GateResult(name="error_rate_guard", metric="error_rate_diff", baseline=0.0, canary=0.0, threshold=0.05,
                    verdict=Verdict.INCONCLUSIVE),
     ]
-    decide_now(ctx)
-    assert ctx.result.decision == Decision.INCONCLUSIVE
-    assert ctx.result.reason.startswith("experiment.max_duration_s (240 s) reached")
-    assert "baseline 61, canary 60" in ctx.result.reason and "error_rate_guard" in ctx.result.reason
+    decided = decide_now(ctx.result.gates, ctx.cfg, ctx.experiment_capped)
+    assert decided.decision == Decision.INCONCLUSIVE
+    assert decided.reason.startswith("experiment.max_duration_s (240 s) reached")
+    assert "baseline 61, canary 60" in decided.reason and "error_rate_guard" in decided.reason
 
 
 def test_a_warm_up_is_stored_as_look_0_and_the_looks_judge_only_what_follows(local_ray, tmp_path):

@@ -7,7 +7,6 @@ Each test names the rule it guards; the statistical ones show their claim by see
 from __future__ import annotations
 
 from pathlib import Path
-from types import SimpleNamespace
 
 import numpy as np
 import pytest
@@ -23,7 +22,7 @@ from rollout.judge.experiment_looks import LookPlan, judge_look
 from rollout.judge.names import GATE_NAMES, SAMPLE_RATIO_NAME
 from rollout.judge.sample_ratio import judge_sample_ratio
 from rollout.judge.verdicts import Decision, GateResult, Verdict, decide, is_final, missing_gates
-from rollout.run.phases.decide import decide_now
+from rollout.run.decision import decide_now
 
 REPO = Path(__file__).resolve().parents[1]
 
@@ -61,19 +60,16 @@ def test_the_decision_names_the_missing_gates_and_the_way_out():
     """Rule 1 through decide_now: accuracy.enabled false -> INCONCLUSIVE, the reason says what to change."""
     cfg = load_config(REPO / "configs" / "local-cpu.yaml")
     cfg = cfg.model_copy(update={"accuracy": cfg.accuracy.model_copy(update={"enabled": False})})
-    ctx = SimpleNamespace(cfg=cfg, result=SimpleNamespace(gates=[gate(n) for n in EXPERIMENT_GATES], decision=None,
-                                                         reason="", candidates=None, winner=None),
-                          experiment_capped=None)
-    decide_now(ctx)
-    assert ctx.result.decision is Decision.INCONCLUSIVE
-    reason = ctx.result.reason
+    gates = [gate(n) for n in EXPERIMENT_GATES]
+    decided = decide_now(gates, cfg)
+    assert decided.decision is Decision.INCONCLUSIVE
+    reason = decided.reason
     assert "accuracy_noninferiority, output_divergence (accuracy.enabled is false)" in reason
     assert "name them in gates.disabled" in reason and "\n" not in reason
     # the same run with those gates named in gates.disabled promotes
     off = ["accuracy_noninferiority", "output_divergence"]
-    ctx.cfg = cfg.model_copy(update={"gates": cfg.gates.model_copy(update={"disabled": off})})
-    decide_now(ctx)
-    assert ctx.result.decision is Decision.PROMOTE
+    cfg = cfg.model_copy(update={"gates": cfg.gates.model_copy(update={"disabled": off})})
+    assert decide_now(gates, cfg).decision is Decision.PROMOTE
 
 
 def test_preflight_gates_still_count_with_a_narrowed_gate_list():

@@ -222,7 +222,7 @@ def test_an_abort_command_during_accuracy_rolls_back_before_any_load(fleet, rout
 
     ctx.progress = say_and_abort_after_the_first_batch
     assert Accuracy().enabled(ctx)
-    Accuracy().run(ctx)
+    ctx.record_decision(Accuracy().run(ctx))  # what the controller does with a phase's end
     assert ctx.result.decision == Decision.ROLLBACK and ctx.result.reason == "aborted by command during accuracy"
     assert ctx.result.accuracy.items == 32 and ctx.result.accuracy.planned_items == 128
     assert ("accuracy", "abort") in [(e["phase"], e["event"]) for e in ctx.store.events(ctx.run_id)]

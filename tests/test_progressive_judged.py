@@ -13,6 +13,7 @@ import yaml
 
 from rollout.config import parse_config
 from rollout.judge.verdicts import Decision, GateResult, Verdict
+from rollout.run.decision import Decided
 from rollout.run.phases import progressive
 from rollout.run.phases.decide import Decide
 from rollout.run.phases.progressive import Progressive
@@ -57,18 +58,18 @@ def _steps(monkeypatch, decision: Decision, verdict: Verdict) -> None:
 def _judged_promote(ctx: RunContext) -> None:
     ctx.result.gates = [GateResult(name="accuracy", metric="accuracy_diff", baseline=0.9, canary=0.9, threshold=0.05,
                                    verdict=Verdict.PASS)]
-    ctx.result.decision, ctx.result.reason = Decision.PROMOTE, "every gate passed: accuracy"
+    ctx.record_decision(Decided(Decision.PROMOTE, "every gate passed: accuracy"))
     ctx.judged = True
 
 
 def test_steps_that_pass_their_guards_never_promote_a_run_that_judged_nothing(tmp_path, monkeypatch):
     ctx, lines = _context(tmp_path, judged=False)
-    Decide().run(ctx)
+    ctx.record_decision(Decide().run(ctx))
     assert ctx.result.decision == Decision.INCONCLUSIVE
     _steps(monkeypatch, Decision.PROMOTE, Verdict.PASS)
     phase = Progressive()
     assert phase.enabled(ctx)  # the steps still run: a guard alarm rolls the canary back
-    phase.run(ctx)
+    ctx.record_decision(phase.run(ctx))
     assert ctx.result.decision == Decision.INCONCLUSIVE
     assert ctx.result.exit_code == 4
     assert "cannot promote" in ctx.result.reason
@@ -77,9 +78,9 @@ def test_steps_that_pass_their_guards_never_promote_a_run_that_judged_nothing(tm
 
 def test_steps_that_alarm_roll_back_a_run_that_judged_nothing(tmp_path, monkeypatch):
     ctx, _ = _context(tmp_path, judged=False)
-    Decide().run(ctx)
+    ctx.record_decision(Decide().run(ctx))
     _steps(monkeypatch, Decision.ROLLBACK, Verdict.FAIL)
-    Progressive().run(ctx)
+    ctx.record_decision(Progressive().run(ctx))
     assert ctx.result.decision == Decision.ROLLBACK
     assert ctx.result.reason == "steps said rollback"
 
@@ -90,7 +91,7 @@ def test_a_judged_promote_stands_only_if_the_steps_hold(tmp_path, monkeypatch, s
     ctx, _ = _context(tmp_path, judged=True)
     _judged_promote(ctx)
     _steps(monkeypatch, steps, Verdict.FAIL if steps == Decision.ROLLBACK else Verdict.PASS)
-    Progressive().run(ctx)
+    ctx.record_decision(Progressive().run(ctx))
     assert ctx.result.decision == expected
     if expected == Decision.PROMOTE:
         assert ctx.result.reason == "every gate passed: accuracy"
@@ -102,10 +103,10 @@ def test_a_resumed_run_that_judged_nothing_does_not_promote_on_its_stored_steps(
     from rollout.record.result import ProgressiveSummary
 
     ctx, _ = _context(tmp_path, judged=False)
-    Decide().run(ctx)
+    ctx.record_decision(Decide().run(ctx))
     summary = ProgressiveSummary(steps_completed=2, observed_split=[], requests_received=10, records_stored=10,
                                  attempt=1, duration_s=60.0, advisory=None)
     stored = ProgressiveVerdict(Decision.PROMOTE, "every step passed its guards", [_guard(Verdict.PASS)], summary)
     ctx.point = ResumePoint(2, "progressive", 100.0, None, [], None, stored, 2)
-    Progressive().run(ctx)
+    ctx.record_decision(Progressive().run(ctx))
     assert ctx.result.decision == Decision.INCONCLUSIVE

@@ -39,7 +39,7 @@ def gates(ratio: float, interval: tuple[float, float]) -> list[GateResult]:
 
 
 def test_the_run_says_it_and_the_report_prints_it(monkeypatch, tmp_path):
-    from rollout.run.phases import candidates as phase
+    from rollout.run.phases import candidate_choice as phase
     from rollout.record.markdown import markdown_report
     from rollout.record.html import html_report
     from rollout.record.result import RunResult, decision_document
@@ -49,15 +49,15 @@ def test_the_run_says_it_and_the_report_prints_it(monkeypatch, tmp_path):
     lines: list[str] = []
     ctx = SimpleNamespace(
         cfg=cfg, result=RunResult(run_id="c", run_dir=tmp_path, config=cfg), say=lines.append,
-        event=lambda *a: None, experiment_capped=None,
+        event=lambda *a: None, experiment_capped=None, standing=None,
         engines={c.name: SimpleNamespace(num_speculative_tokens=c.engine.num_speculative_tokens) for c in cfg.candidates},
         candidate_gates={c.name: gates(0.70 + 0.05 * i, (0.62 + 0.05 * i, 0.76 + 0.05 * i))
                          for i, c in enumerate(reversed(cfg.candidates))},
     )
     monkeypatch.setattr(phase, "take_the_seat", lambda ctx, winner: None)
-    phase.choose_now(ctx)
+    decided = phase.choose_now(ctx)
     winner = ctx.result.winner
-    assert winner is not None and ctx.result.decision is None
+    assert winner is not None and decided is None and ctx.result.decision is None
     assert any(line.startswith(f"candidates: winner's curse: {winner}'s TPOT p50 ratio 0.700") for line in lines)
     doc = decision_document(ctx.result)
     assert doc["winner_note"] == ctx.result.winner_note

@@ -2,7 +2,16 @@
 the traffic plan, the attempt, and the leases that keep the run's actors alive.
 
 A phase (rollout/run/phases/) reads what it needs from the context and writes what it finds into
-`ctx.result`; the controller owns the order of the phases, error handling and teardown.
+`ctx.result`, all but the decision; the controller owns the order of the phases, error handling,
+teardown, and the run's decision (rollout.run.decision).
+
+The decision has one writer, `record_decision`, and only the controller calls it, with what each
+phase returned. An abort command is taken in the middle of a phase (between accuracy batches, at
+an experiment tick), which then ends early and still summarises what it measured: `aborted` keeps
+the abort as a pending `Decided` (`abort`) and returns True, and `record_decision` turns it into the
+decision when that phase returns, over whatever the phase handed back (or raised). Until then
+`decided` and `standing` already count it, so the rest of that phase (a failed gate, the
+candidates' choice) sees a decided run, as every later phase does.
 """
 
 from __future__ import annotations
@@ -23,8 +32,9 @@ from cluster.router import ROUTER_WATCH_NAME, RouterClient
 from loadtests.options import TrafficOptions
 from loadtests.swarm import SwarmSpec
 from rollout.config import RolloutConfig
-from rollout.judge.verdicts import Decision, GateResult
+from rollout.judge.verdicts import GateResult
 from rollout.record.result import RunResult
+from rollout.run.decision import Decided, aborted_by_command
 from rollout.run.resume import ResumePoint
 from rollout.run.store import HEARTBEAT_S, RunStore
 from rollout.run.weight_hook import WeightHookError, call_weight_hook
@@ -182,6 +192,29 @@ class RunContext:
     fleet_since: float | None = None  # wall clock when this controller started (or reattached) the fleet
     # several candidates: each one's gates against the baseline at alpha / K, by phase order (accuracy, experiment)
     candidate_gates: dict[str, list[GateResult]] = field(default_factory=dict)
+    abort: Decided | None = None  # an abort command taken during the running phase; recorded when it returns
+
+    # -- the decision ------------------------------------------------------------
+    @property
+    def standing(self) -> Decided | None:
+        """The decision that stands so far: the recorded one, else an abort taken during the running phase."""
+        if self.result.decision is not None:
+            return Decided(self.result.decision, self.result.reason)
+        return self.abort
+
+    @property
+    def decided(self) -> bool:
+        """Something decided the run already: later phases that judge do not run, and none decides again
+        (the progressive steps alone revise a decision: rollout.run.decision.after_steps)."""
+        return self.standing is not None
+
+    def record_decision(self, outcome: Decided | None) -> None:
+        """The run's decision and reason: the one write of them, by the controller after each phase with
+        what the phase returned. An abort taken during the phase, not yet recorded, stands over it."""
+        if self.abort is not None and self.result.decision is None:
+            outcome = self.abort
+        if outcome is not None:
+            self.result.decision, self.result.reason = outcome.decision, outcome.reason
 
     # -- facts -------------------------------------------------------------------
     @property
@@ -249,11 +282,11 @@ class RunContext:
         self.event(phase, "weights", f"canary {weight:g}%: {reason}{hooked}")
 
     def aborted(self, phase: str) -> bool:
-        """`mtp-canary abort RUN_ID` arrived: the decision is ROLLBACK (the canary never got traffic weight)."""
+        """`mtp-canary abort RUN_ID` arrived: the phase stops early, and the decision is ROLLBACK (the canary
+        never got traffic weight), kept in `abort` until the controller records it when the phase returns."""
         if self.store.take_command(self.run_id, accept=("abort",)) is None:
             return False
-        self.result.decision = Decision.ROLLBACK
-        self.result.reason = f"aborted by command during {phase}"
+        self.abort = aborted_by_command(phase)
         self.say(f"{phase}: abort command received: rolling back")
         self.event(phase, "abort", "abort command")
         return True

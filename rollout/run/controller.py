@@ -16,6 +16,11 @@
 Each phase is an object in rollout/run/phases/ over one RunContext (rollout.run.context);
 every phase's result is committed to the store before the controller acts on it.
 
+One writer of the decision (Argo Rollouts' shape: one reconcile writes one typed status). A phase
+that decides returns `Decided` (rollout.run.decision); the controller records what each phase
+returned, and an abort command taken during it, through RunContext.record_decision, called here
+only. Later phases read the decision (`ctx.decided`, `ctx.standing`) and do not write it.
+
 Resume. The run's actors (replicas, router, the progressive load) are named in a Ray
 namespace of their own and detached, each on a lease the controller renews. If the
 controller dies (kill -9), `Controller(..., resume=True)` (`mtp-canary resume RUN_ID`)
@@ -134,7 +139,7 @@ class Controller:
                 live = self._live_metrics()
                 for phase in PHASES:
                     if phase.enabled(ctx):
-                        phase.run(ctx)
+                        self._run_phase(phase)
                 completed = True
             except KeyboardInterrupt:
                 raise
@@ -153,6 +158,15 @@ class Controller:
             with INTERRUPTS.shielded():
                 self._end(completed, live)
         return ctx.result
+
+    def _run_phase(self, phase: Phase) -> None:
+        """One phase, then its decision recorded: what it returned, or an abort taken while it ran; a
+        phase that raised after an abort still leaves the abort's ROLLBACK (beside the run's error)."""
+        outcome = None
+        try:
+            outcome = phase.run(self.ctx)
+        finally:
+            self.ctx.record_decision(outcome)
 
     def _interrupted(self, exc: KeyboardInterrupt) -> None:
         """A signal ended the run: an error (exit 130) naming it; a cause found before it stays first."""

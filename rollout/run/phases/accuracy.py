@@ -1,7 +1,7 @@
 """Accuracy: identical items (greedy, or sampled at accuracy.temperature) to every arm in
 batches, judged after each batch (paired non-inferiority and output divergence,
 rollout.judge.accuracy); stops early on a clear regression of a judged gate or an abort
-command, and a canary that already lost accuracy gets no load."""
+command, and a canary that already lost accuracy gets no load (the phase then decides the run)."""
 
 from __future__ import annotations
 
@@ -17,11 +17,11 @@ from rollout.judge.accuracy import judge_accuracy, judge_divergence
 from rollout.judge.candidates import candidate_gates
 from rollout.judge.config import GatesConfig
 from rollout.judge.verdicts import GateResult, Verdict, is_enabled
-from rollout.run.phases.candidates import choose_now, lost_candidates
-from rollout.run.phases.decide import decide_now
+from rollout.run.phases.candidate_choice import choose_now, lost_candidates
 from rollout.run.phases.replica_watch import ReplicaWatch
 from rollout.record.result import AccuracySummary
 from rollout.run.context import InfrastructureError, RunContext
+from rollout.run.decision import Decided, candidates_reason, decide_now
 
 
 def eval_spec(ctx: RunContext) -> EvalSpec:
@@ -65,9 +65,9 @@ class Accuracy:
     name = "accuracy"
 
     def enabled(self, ctx: RunContext) -> bool:
-        return not ctx.judged and ctx.result.decision is None and ctx.cfg.accuracy.enabled
+        return not ctx.judged and not ctx.decided and ctx.cfg.accuracy.enabled
 
-    def run(self, ctx: RunContext) -> None:
+    def run(self, ctx: RunContext) -> Decided | None:
         cfg = ctx.cfg
         spec = eval_spec(ctx)
         items: list[EvalItem] = load_items(spec)
@@ -108,15 +108,18 @@ class Accuracy:
             if lost_candidates(ctx) >= {c.name for c in ctx.cfg.candidates}:
                 ctx.say("accuracy: every candidate failed a gate; skipping the experiment")
                 ctx.event("accuracy", "abort", "every candidate failed")
-                choose_now(ctx)
-            return
-        if ctx.result.decision is None and any(
+                return choose_now(ctx)
+            return None
+        # an abort taken between the batches stands (the controller records it)
+        if not ctx.decided and any(
             g.verdict == Verdict.FAIL for g in ctx.result.gates if is_enabled(g.name, cfg.gates)
         ):
             # Fail fast: a canary that already lost accuracy gets no load.
             ctx.say("accuracy: a gate failed; skipping the experiment")
             ctx.event("accuracy", "abort", "accuracy gate failed")
-            decide_now(ctx)
+            r = ctx.result
+            return decide_now(r.gates, cfg, ctx.experiment_capped, candidates_reason(r.winner, r.candidates))
+        return None
 
     @staticmethod
     def _batches(ctx: RunContext, spec: EvalSpec, items: list[EvalItem], arms: list[str],

@@ -1,97 +1,12 @@
-"""Several candidates (config `candidates:`): the winner chosen from each candidate's gates
-(rollout.judge.candidates, each judged at alpha / K), and the canary's seat handed to it before
-the sweep and the decision. From then on the winner's replicas are the canary's: the sweep, the
-router's canary weight, the progressive phase, the stable mark and promoted.yaml are the
-winner's, and the losers' replicas are stopped. Without a winner the seat stays empty and the
-run rolls back (every candidate did) or is inconclusive. The winner's ratio, the lowest of K
-estimates, comes with a winner's-curse note (rollout.judge.selection)."""
+"""The candidates phase: with several candidates (config `candidates:`), the winner takes the
+canary's seat before the sweep and the decision, or the run decides without one (the choice
+and the hand-over: rollout.run.phases.candidate_choice)."""
 
 from __future__ import annotations
 
-from cluster.arms import BASELINE, CANARY
-from rollout.judge.candidates import CandidateResult, candidate_gates, choose_winner
-from rollout.judge.names import OBJECTIVE_NAME
-from rollout.judge.selection import winners_curse_note
-from rollout.judge.verdicts import Decision, decide
-from rollout.record.result import CandidateSummary
 from rollout.run.context import RunContext
-
-
-def choose_now(ctx: RunContext) -> None:
-    """Each candidate's verdict and reason into ctx.result.candidates, the winner into the canary's
-    seat, and the run's decision (an abort's ROLLBACK, already set, stands)."""
-    cfg = ctx.cfg
-    share = candidate_gates(cfg.gates, len(cfg.candidates))
-    results = [
-        CandidateResult(c.name, ctx.engines[c.name].num_speculative_tokens, list(ctx.candidate_gates.get(c.name, [])))
-        for c in cfg.candidates
-    ]
-    choice = choose_winner(results, share)
-    if ctx.result.decision is not None:  # an abort: nobody is promoted, whatever the gates said so far
-        choice = type(choice)(choice.decision, None, {
-            name: f"not promoted: {ctx.result.reason} (its gates so far: {reason})"
-            for name, reason in choice.reasons.items()})
-    ctx.result.candidates = [
-        CandidateSummary(name=r.name, speculative_tokens=r.speculative_tokens, alpha=share.alpha,
-                         decision=r.decision(share), reason=choice.reasons[r.name], gates=list(r.gates))
-        for r in results
-    ]
-    for name, reason in choice.reasons.items():
-        ctx.say(f"candidates: {name}: {reason}")
-    ctx.event("candidates", "chosen", f"winner {choice.winner}" if choice.winner else choice.decision.value)
-    if ctx.result.decision is not None:
-        return
-    others = "; ".join(f"{name}: {reason}" for name, reason in choice.reasons.items() if name != choice.winner)
-    if choice.winner is None:
-        ctx.result.decision = choice.decision
-        capped = f"{ctx.experiment_capped}; " if ctx.experiment_capped else ""
-        ctx.result.reason = f"{capped}no candidate won ({len(results)} judged at alpha {share.alpha:g} each): {others}"
-        return
-    take_the_seat(ctx, choice.winner)
-    ctx.result.winner = choice.winner
-    # the winner's gates are the run's: the sweep (on the winner) and the decision follow as for one canary
-    won = results[[r.name for r in results].index(choice.winner)]
-    ctx.result.gates += won.gates
-    # its ratio is the lowest of K estimates: say how far that selection may have flattered it
-    objective = next((g for g in won.gates if g.name == OBJECTIVE_NAME), None)
-    note = winners_curse_note(choice.winner, objective.estimate if objective else None,
-                              objective.interval if objective else None, len(results), share.alpha)
-    if note is not None:
-        ctx.result.winner_note = note
-        ctx.say(f"candidates: {note}")
-
-
-def lost_candidates(ctx: RunContext) -> frozenset[str]:
-    """Candidates whose gates so far (preflight, accuracy) already decide a rollback: they cannot win.
-    The rule is `decide`'s, as the final choice applies it: a FAIL of a gate the config does not judge
-    (gates.disabled) loses nothing."""
-    return frozenset(name for name, gates in ctx.candidate_gates.items()
-                     if decide(gates, ctx.cfg.gates) is Decision.ROLLBACK)
-
-
-def candidates_reason(ctx: RunContext) -> str:
-    """The decision's reason begins with the winner and why every other candidate lost ('' without one)."""
-    if not ctx.result.winner or not ctx.result.candidates:
-        return ""
-    others = "; ".join(f"{c.name}: {c.reason}" for c in ctx.result.candidates if c.name != ctx.result.winner)
-    return f"candidate {ctx.result.winner} won ({others}); "
-
-
-def take_the_seat(ctx: RunContext, winner: str) -> None:
-    """The winner's replicas become the canary arm (router, fleet, engines, config); the losers stop."""
-    candidate = next(c for c in ctx.cfg.candidates if c.name == winner)
-    losers = [c.name for c in ctx.cfg.candidates if c.name != winner]
-    ctx.engines[CANARY] = ctx.engines[winner]
-    ctx.result.arms[CANARY] = {**ctx.result.arms[winner], "candidate": winner}
-    # promoted.yaml and the stable mark read the canary's config: the winner's from here on
-    ctx.cfg = ctx.cfg.model_copy(update={"canary": candidate.arm()})
-    ctx.fleet.hand_over(winner, CANARY)
-    urls = ctx.fleet.urls()
-    # losers are left out of the router first (no request reaches a replica being stopped), then stopped
-    ctx.router.set_arms({BASELINE: urls[BASELINE], CANARY: urls[CANARY]}, ctx.fleet.upstream_keys())
-    ctx.fleet.retire(losers)
-    ctx.say(f"candidates: {winner} takes the canary's place; stopped {', '.join(losers)}")
-    ctx.event("candidates", "seat", f"{winner} is the canary")
+from rollout.run.decision import Decided
+from rollout.run.phases.candidate_choice import choose_now
 
 
 class ChooseCandidate:
@@ -102,5 +17,5 @@ class ChooseCandidate:
     def enabled(self, ctx: RunContext) -> bool:
         return bool(ctx.cfg.candidates) and not ctx.judged and ctx.result.candidates is None
 
-    def run(self, ctx: RunContext) -> None:
-        choose_now(ctx)
+    def run(self, ctx: RunContext) -> Decided | None:
+        return choose_now(ctx)

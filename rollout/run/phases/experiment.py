@@ -8,21 +8,18 @@ import numpy as np
 
 from cluster.arms import CANARY
 from cluster.metrics import MetricsSampler, SpecDecodeStats, kv_stats, requests_not_routed
-from cluster.router_limits import is_loopback
-from loadtests.console import TAB_TITLE, console_spec
 from loadtests.health import percentile_ms
 from loadtests.records import RequestRecord
-from loadtests.swarm import SwarmSpec
 from rollout.analysis.acceptance_slices import by_prompt_length, by_turn
 from rollout.config import TWIN
 from rollout.analysis.depth_advice import DepthAdvice, DepthArm, advise_depth
 from rollout.judge.goodput import goodput_by_arm
 from rollout.judge.verdicts import GateResult, Verdict
-from rollout.run.phases.candidates import lost_candidates
-from rollout.run.phases.setup import arm_config
+from rollout.run.phases.candidate_choice import lost_candidates
 from rollout.run.phases.experiment_loop import LOAD_MARGIN_S, LOAD_STOP_TIMEOUT_S, ExperimentContext, ExperimentPhase
+from rollout.run.phases.web_ui import with_console
 from rollout.record.result import ExperimentSummary, SpecDecodeSummary
-from rollout.run.context import InfrastructureError, RunContext
+from rollout.run.context import RunContext
 
 
 KV_SAMPLE_EVERY_S = 5.0
@@ -34,7 +31,7 @@ class Experiment:
     name = "experiment"
 
     def enabled(self, ctx: RunContext) -> bool:
-        return not ctx.judged and ctx.result.decision is None and ctx.cfg.experiment.enabled
+        return not ctx.judged and not ctx.decided and ctx.cfg.experiment.enabled
 
     def run(self, ctx: RunContext) -> None:
         exp = ctx.cfg.experiment
@@ -95,6 +92,7 @@ class Experiment:
                 speculative_canary=CANARY in ctx.engines and ctx.speculative_canary,
                 say=ctx.say,
                 event=lambda event, reason: ctx.event("experiment", event, reason),
+                # an abort stops the loop; the controller records its ROLLBACK when this phase returns
                 aborted=lambda: ctx.aborted("experiment"),
                 replicas_alive=ctx.replicas_alive, replica_node=ctx.replica_node,
                 twin=ctx.cfg.twin_baseline,
@@ -153,7 +151,7 @@ def _request_counts(ctx: RunContext) -> tuple[dict, dict] | None:
         scraped, state = ctx.fleet.metrics(), ctx.router.state()
     except Exception:  # a dead router or fleet shows in the phase itself
         return None
-    shared = {arm for arm in ctx.cfg.experiment_arms if arm_config(ctx.cfg, arm).endpoints}
+    shared = {arm for arm in ctx.cfg.experiment_arms if ctx.cfg.arm(arm).endpoints}
     urls = {r.name: r.url.rstrip("/") for r in ctx.fleet.replicas if r.url and r.arm not in shared}
     finished = {urls[name]: snap.requests_finished for name, snap in scraped.items() if name in urls}
     routed = {url.rstrip("/"): counts for url, counts in state["replica_counts"].items()}
@@ -212,24 +210,6 @@ def depth_advice_of(ctx: RunContext, records: list[RequestRecord], looks_of: lis
     return advise_depth(arms, stats.per_position_rate, profile_arm=deepest.name,
                         streams_per_replica=None if exp.rate_per_replica else float(exp.users_per_replica),
                         reuse_logged=logged)
-
-
-def with_console(ctx: RunContext, spec: SwarmSpec, phase: str) -> SwarmSpec:
-    """With experiment.web_ui: `spec` serving Locust's web UI and the run's Rollout console tab at
-    the configured address (the experiment's master, then the progressive load's at the same URL)."""
-    exp = ctx.cfg.experiment
-    if not exp.web_ui:
-        return spec
-    if not is_loopback(exp.web_host) and ctx.cfg.router.auth_token() is None:
-        # the console's Promote / Abort would answer anyone who reaches the port; a token made for the
-        # run (beyond loopback the router gets one) is one the operator cannot type into the console
-        raise InfrastructureError(
-            f"experiment.web_host {exp.web_host} is beyond loopback and the run has no router token: set "
-            f"{ctx.cfg.router.auth_token_env} (the console's buttons then need it) or serve the UI on 127.0.0.1"
-        )
-    ctx.say(f"{phase}: Locust web UI at http://{exp.web_host}:{exp.web_port} (the {TAB_TITLE} tab: "
-            f"phase, looks, gates, canary weight, Promote / Abort) while the {phase}'s load runs")
-    return console_spec(spec, ctx.run_id, ctx.run_dir.parent, host=exp.web_host, port=exp.web_port)
 
 
 def latency_summary(records: list[RequestRecord], arm: str) -> dict[str, float | None]:

@@ -1,10 +1,11 @@
-"""What every phase is: a name, whether it runs, and how."""
+"""What every phase is: a name, whether it runs, and how; what it hands back when it decides."""
 
 from __future__ import annotations
 
 from typing import Protocol
 
 from rollout.run.context import RunContext
+from rollout.run.decision import Decided
 
 
 class Phase(Protocol):
@@ -14,6 +15,7 @@ class Phase(Protocol):
         """Whether the phase runs, given the config and what the phases before it found."""
         ...
 
-    def run(self, ctx: RunContext) -> None:
-        """Do the phase's work; raise InfrastructureError (or a load/fleet error) when it cannot measure."""
+    def run(self, ctx: RunContext) -> Decided | None:
+        """Do the phase's work; raise InfrastructureError (or a load/fleet error) when it cannot measure.
+        Returns the decision when the phase decided the run (the controller records it), else None."""
         ...

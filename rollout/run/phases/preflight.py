@@ -21,6 +21,7 @@ from rollout.engine_parity import SERVER_LOG_NEEDLES, engine_run_from_log
 from rollout.judge.verdicts import Decision, GateResult, Verdict
 from rollout.record.result import PreflightSummary
 from rollout.run.context import InfrastructureError, RunContext
+from rollout.run.decision import Decided
 
 SMOKE_PROMPT = "Question: 1 + 1?\nAnswer:"
 SMOKE_MAX_BYTES = 1 << 20  # an answer of 8 tokens is well under a KiB
@@ -33,7 +34,7 @@ class Preflight:
     def enabled(self, ctx: RunContext) -> bool:
         return True
 
-    def run(self, ctx: RunContext) -> None:
+    def run(self, ctx: RunContext) -> Decided | None:
         ctx.say("preflight: smoke request to every replica")
         fleet = ctx.fleet
         answers = smoke_every_replica(fleet, ctx.served_model, ctx.cfg.preflight_timeout_s)
@@ -62,11 +63,11 @@ class Preflight:
                     break
         if ctx.cfg.candidates:
             self._check_candidates(ctx, metrics)
-            return
+            return None
         if ctx.speculative_canary and canary_drafts <= 0:
-            self._fail_no_drafts(ctx, canary_drafts)
-            return
+            return self._fail_no_drafts(ctx, canary_drafts)
         ctx.event("preflight", "pass", f"canary drafts {canary_drafts:g}")
+        return None
 
     @staticmethod
     def _record_servers(ctx: RunContext) -> None:
@@ -98,13 +99,12 @@ class Preflight:
             f"{c.name} {ctx.result.arms[c.name]['preflight_drafts']:g}" for c in ctx.cfg.candidates))
 
     @staticmethod
-    def _fail_no_drafts(ctx: RunContext, canary_drafts: float) -> None:
+    def _fail_no_drafts(ctx: RunContext, canary_drafts: float) -> Decided:
+        """A speculative canary that never drafted is not the config under test: ROLLBACK."""
         gate = _no_drafts_gate(canary_drafts, "canary")
-        reason = gate.detail
         ctx.result.gates.append(gate)
-        ctx.result.decision = Decision.ROLLBACK
-        ctx.result.reason = reason
-        ctx.event("preflight", "fail", reason)
+        ctx.event("preflight", "fail", gate.detail)
+        return Decided(Decision.ROLLBACK, gate.detail)
 
 
 def _no_drafts_gate(drafts: float, arm: str) -> GateResult:

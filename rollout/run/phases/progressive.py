@@ -4,7 +4,8 @@ if every step holds. A resumed run continues after the last committed step.
 
 The steps' guards only raise alarms (errors, absolute SLOs on the canary's live data): they
 compare nothing with the baseline. So the steps may turn a judged PROMOTE into ROLLBACK, and a
-run that judged nothing into ROLLBACK, but never an unjudged run into PROMOTE."""
+run that judged nothing into ROLLBACK, but never an unjudged run into PROMOTE: the phase returns
+the revised decision (rollout.run.decision.after_steps) and the controller records it."""
 
 from __future__ import annotations
 
@@ -14,15 +15,15 @@ from typing import Any
 from cluster.load_runner import start_load_runner
 from cluster.ray_cluster import find_actor, kill_quietly
 from rollout.judge.verdicts import Decision, GateResult
-from rollout.run.phases.experiment import with_console
 from rollout.run.phases.progressive_context import ProgressiveContext
 from rollout.run.phases.progressive_steps import run_progressive
+from rollout.run.phases.web_ui import with_console
 from rollout.record.result import ProgressiveSummary
 from rollout.run.resume import PROGRESSIVE_OUTCOME, ProgressiveVerdict
 from rollout.run.context import RunContext
+from rollout.run.decision import UNJUDGED, Decided, after_steps
 
 PROGRESSIVE_SEED_OFFSET = 1000  # the progressive load's prompts differ from the experiment's
-UNJUDGED = "no accuracy or experiment gate was judged before the steps (guards only raise alarms)"
 
 
 def advisory_reason(cfg) -> str | None:
@@ -48,13 +49,12 @@ class Progressive:
         judged_nothing = not ctx.result.gates and ctx.result.candidates is None
         return ctx.cfg.progressive.enabled and (ctx.result.decision == Decision.PROMOTE or judged_nothing)
 
-    def run(self, ctx: RunContext) -> None:
+    def run(self, ctx: RunContext) -> Decided:
         prog = ctx.cfg.progressive
         done = ctx.point.progressive if ctx.resuming else None
         if done is not None:  # the phase had ended before the crash: its verdict stands
             ctx.result.progressive = done.summary
-            self._apply(ctx, done.decision, done.reason, list(done.guards))
-            return
+            return self._apply(ctx, done.decision, done.reason, list(done.guards))
         # every step done but no verdict committed (died in between): the last step bakes again
         first_step = min(ctx.point.steps_done, len(prog.steps) - 1)
         previous = self._previous_loads(ctx) if ctx.resuming else []
@@ -86,7 +86,7 @@ class Progressive:
         )
         verdict = ProgressiveVerdict(outcome.decision, outcome.reason, outcome.guards, ctx.result.progressive)
         ctx.store.put_phase_result(ctx.run_id, PROGRESSIVE_OUTCOME, 1, verdict.stored())
-        self._apply(ctx, outcome.decision, outcome.reason, outcome.guards)
+        return self._apply(ctx, outcome.decision, outcome.reason, outcome.guards)
 
     @staticmethod
     def _context(ctx: RunContext, first_step: int, previous_load: Any) -> ProgressiveContext:
@@ -115,18 +115,10 @@ class Progressive:
         )
 
     @staticmethod
-    def _apply(ctx: RunContext, decision: Decision, reason: str, guards: list[GateResult]) -> None:
-        judged_promote = ctx.result.decision == Decision.PROMOTE
+    def _apply(ctx: RunContext, decision: Decision, reason: str, guards: list[GateResult]) -> Decided:
+        """The steps' guards join the run's gates; the decision they leave (after_steps' rule)."""
         ctx.result.gates += guards
-        if decision == Decision.PROMOTE and not judged_promote:
-            # guards that held are no evidence for the canary: the run's own verdict stands
-            ctx.result.decision = Decision.INCONCLUSIVE
-            ctx.result.reason = f"{reason}, but {UNJUDGED}, so the run cannot promote; {ctx.result.reason}"
-            return
-        ctx.result.decision = decision
-        # a PROMOTE keeps the experiment's reasons; otherwise the steps are the reason
-        if decision != Decision.PROMOTE:
-            ctx.result.reason = reason
+        return after_steps(ctx.result.decision, ctx.result.reason, Decided(decision, reason))
 
     @staticmethod
     def _start_load(ctx: RunContext, spec) -> Any:

@@ -17,7 +17,7 @@ from loadtests.swarm import Swarm, SwarmProgress, SwarmResult, SwarmSpec
 from rollout.analysis.crossover import AdaptivePolicy, LevelResult, crossing, next_level
 from rollout.analysis.load_sweep import level_results, summarize_sweep
 from rollout.record.result import SweepCrossover, SweepRow
-from rollout.run.phases.experiment import with_console
+from rollout.run.phases.web_ui import with_console
 from rollout.run.context import RunContext
 
 PROGRESS_EVERY_S = 15
@@ -37,7 +37,7 @@ class Sweep:
 
     def enabled(self, ctx: RunContext) -> bool:
         exp = ctx.cfg.experiment
-        return not ctx.judged and ctx.result.decision is None and exp.enabled and exp.sweep.enabled
+        return not ctx.judged and not ctx.decided and exp.enabled and exp.sweep.enabled
 
     def run(self, ctx: RunContext) -> None:
         if ctx.cfg.experiment.sweep.adaptive.enabled:
