@@ -13,10 +13,11 @@ from __future__ import annotations
 import json
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, get_type_hints
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model, field_validator
 
+from cluster.metrics import KvCacheStats
 from rollout.judge.power import DetectableEffect
 from rollout.record.result import (AccuracySummary, ExperimentSummary, PreflightSummary, PrepareSummary,
                                    ProgressiveSummary, SpecDecodeSummary, UsageSummary)
@@ -63,20 +64,20 @@ class CandidateRecord(Record):
     gates: list[GateRecord] = Field(default_factory=list)
 
 
-class KvRecord(Record):
-    """An arm's KV cache during the experiment (decision.json arms.<arm>.kv: cluster.metrics.KvCacheStats)."""
+def _kv_fields() -> dict[str, Any]:
+    """What KvCacheStats.to_dict writes (its fields and its hit rate), each optional with KvCacheStats's own
+    default: a document written before a field existed (the prefix-cache counters) still reads."""
+    hints = get_type_hints(KvCacheStats)
+    hints["prefix_cache_hit_rate"] = get_type_hints(KvCacheStats.prefix_cache_hit_rate.fget)["return"]
+    return {name: (hints[name] | None, default) for name, default in KvCacheStats().to_dict().items()}
 
-    samples: int | None = 0
-    usage_peak: float | None = None
-    usage_mean: float | None = None
-    preemptions: float | None = None
-    capacity_tokens: float | None = None
-    num_gpu_blocks: float | None = None
-    block_size: float | None = None
-    # absent from documents written before the prefix-cache counters
-    prefix_cache_queries: float | None = None
-    prefix_cache_hits: float | None = None
-    prefix_cache_hit_rate: float | None = None
+
+# one list of fields, KvCacheStats's: a field added there is read back here without a second edit
+KvRecord = create_model(
+    "KvRecord", __base__=Record, __module__=__name__,
+    __doc__="An arm's KV cache during the experiment (decision.json arms.<arm>.kv: cluster.metrics.KvCacheStats).",
+    **_kv_fields(),
+)
 
 
 class ArmRecord(Record):
