@@ -139,7 +139,16 @@ def _gpus_free(expected: float, timeout_s: float = 20) -> bool:
 
 
 def test_the_commands_placement_wait_default_is_the_plans():
-    """`plan --help` builds its arguments without importing the plan: the default it shows is the plan's own."""
+    """`plan --help` builds its arguments without importing the plan: the default it shows is the plan's own
+    (one definition, rollout.run.plan_defaults), and the command module loads neither the plan nor Ray."""
+    import subprocess
+    import sys
+
     from rollout.run import cluster_plan
 
-    assert plan_command.PLACEMENT_PROBE_S == cluster_plan.PLACEMENT_PROBE_S
+    assert plan_command.PLACEMENT_PROBE_S is cluster_plan.PLACEMENT_PROBE_S
+    loaded = subprocess.run(
+        [sys.executable, "-c", "import sys, rollout.commands.plan; "
+         "print(sorted(m for m in ('ray', 'rollout.run.cluster_plan') if m in sys.modules))"],
+        cwd=REPO, capture_output=True, text=True, check=True).stdout.strip()
+    assert loaded == "[]"

@@ -13,8 +13,7 @@ import sys
 from collections.abc import Sequence
 
 from rollout.commands.arguments import parse_alone
-
-PLACEMENT_PROBE_S = 10.0  # rollout.run.cluster_plan's own default, given here without importing it
+from rollout.run.plan_defaults import PLACEMENT_PROBE_S  # light: the plan itself is imported when it runs
 
 
 def register(sub: argparse._SubParsersAction) -> argparse.ArgumentParser:

@@ -20,10 +20,10 @@ from dataclasses import asdict, dataclass, field
 from typing import Any
 
 from rollout.run.node_check import RUN_MODULES, NodeCheck, check_nodes, launched_arms, model_cache_failures, run_arms
+from rollout.run.plan_defaults import PLACEMENT_PROBE_S
 
 # the fleet's teardown waits up to 60 s for every replica's stop; `ray job stop` must wait longer
 TEARDOWN_GRACE_S = 90
-PLACEMENT_PROBE_S = 10.0
 
 
 @dataclass
