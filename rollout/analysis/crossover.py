@@ -84,6 +84,10 @@ class LevelResult(BaseModel):
     ratio_high: float | None = Field(description="upper end of the ratio's 95% interval")
     pairs: int = Field(description="prompts with a TPOT on both arms (the paired units of the resample)")
     block: int | None = Field(description="prompts per bootstrap block")
+    # what the interval is made of, so a judgement at another confidence (rollout.judge.load_curve) needs no
+    # records: the bootstrap's standard deviation of log(ratio) and its degrees of freedom (blocks - 1)
+    log_sd: float | None = Field(None, description="bootstrap standard deviation of log(ratio) (None: no interval)")
+    dof: int | None = Field(None, description="degrees of freedom of log_sd: bootstrap blocks - 1")
     tokens_per_s: float | None = Field(None, description="output tokens/s per replica at this level (mean of the arms)")
 
 
@@ -118,6 +122,8 @@ class RatioInterval(NamedTuple):
     low: float | None
     high: float | None
     block: int | None
+    log_sd: float | None = None  # the bootstrap's standard deviation of log(ratio)
+    dof: int | None = None  # its degrees of freedom: blocks - 1
 
 
 def block_length(n: int) -> int:
@@ -163,8 +169,9 @@ def ratio_interval(
         return RatioInterval(ratio, None, None, block)
     # the bootstrap's spread comes from n_blocks blocks, so it carries about n_blocks - 1 degrees of
     # freedom (as batch means do): t, not z, and centred on the full sample's ratio
-    half = float(scipy_stats.t.ppf(0.5 + confidence / 2.0, n_blocks - 1)) * float(np.std(log_ratio, ddof=1))
-    return RatioInterval(ratio, ratio * math.exp(-half), ratio * math.exp(half), block)
+    log_sd = float(np.std(log_ratio, ddof=1))
+    half = float(scipy_stats.t.ppf(0.5 + confidence / 2.0, n_blocks - 1)) * log_sd
+    return RatioInterval(ratio, ratio * math.exp(-half), ratio * math.exp(half), block, log_sd, n_blocks - 1)
 
 
 def _medians(values: np.ndarray) -> np.ndarray:

@@ -121,6 +121,8 @@ def level_results(records: Sequence[RequestRecord], arms: Sequence[str], step_s:
             ratio_high=None if got.high is None else round(got.high, 4),
             pairs=sum(1 for u in ordered if len(u) == 2),
             block=got.block,
+            log_sd=None if got.log_sd is None else round(got.log_sd, 6),
+            dof=got.dof,
             tokens_per_s=round(float(np.mean(per_arm)), 2),
         ))
     return out

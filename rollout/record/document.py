@@ -18,6 +18,7 @@ from typing import Any, get_type_hints
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, create_model, field_validator
 
 from cluster.metrics import KvCacheStats
+from rollout.judge.load_curve import PromoteUpTo
 from rollout.judge.power import DetectableEffect
 from rollout.record.result import (AccuracySummary, ExperimentSummary, PreflightSummary, PrepareSummary,
                                    ProgressiveSummary, SpecDecodeSummary, UsageSummary)
@@ -140,6 +141,7 @@ class DecisionDocument(Record):
     candidates: list[CandidateRecord] | None = None
     winner: str | None = None
     wholly_ejected: dict[str, int] | None = None  # arm -> requests answered 503 with every replica out
+    promote_up_to: PromoteUpTo | None = None  # up to which load the candidate pays (a run with a sweep)
 
     @field_validator("prepare", mode="before")
     @classmethod

@@ -22,6 +22,7 @@ from rollout.analysis.crossover import Crossing, LevelResult
 from rollout.analysis.depth_advice import DepthAdvice
 from rollout.judge.goodput import ArmGoodput
 from rollout.judge.latency import LookDependence
+from rollout.judge.load_curve import PromoteUpTo
 from rollout.judge.noise_floor import NoiseFloor
 from rollout.judge.power import DetectableEffect
 from rollout.judge.verdicts import Decision, GateResult
@@ -292,6 +293,9 @@ class RunResult:
     # arm -> requests the router answered 503 because every replica of the arm was ejected at once
     # (cluster.router wholly_ejected); None or empty: no arm was ever wholly out
     wholly_ejected: dict[str, int] | None = None
+    # up to which load the candidate pays (rollout.judge.load_curve), from the sweep; None when no sweep ran
+    # (decision.json then leaves the key out, as documents written before it lack it)
+    promote_up_to: PromoteUpTo | None = None
 
     @property
     def exit_code(self) -> int:
@@ -333,6 +337,8 @@ class RunResult:
             attempts=doc.get("attempts"),
             winner_note=doc.get("winner_note"),
             wholly_ejected=doc.get("wholly_ejected"),
+            promote_up_to=(PromoteUpTo.model_validate(doc["promote_up_to"])
+                           if doc.get("promote_up_to") is not None else None),
         )
 
 
@@ -379,6 +385,8 @@ def decision_document(result: RunResult) -> dict[str, Any]:
         doc["winner_note"] = result.winner_note
     if result.wholly_ejected:
         doc["wholly_ejected"] = result.wholly_ejected
+    if result.promote_up_to is not None:
+        doc["promote_up_to"] = result.promote_up_to.model_dump(mode="json")
     if result.candidates is not None:
         doc["candidates"] = [c.model_dump(mode="json") for c in result.candidates]
         doc["winner"] = result.winner
