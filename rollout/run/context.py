@@ -170,7 +170,7 @@ class TrafficPlan:
 
 @dataclass
 class RunContext:
-    """What every phase shares. Built by the controller; phases fill `result`."""
+    """What every phase shares. Built by the controller; phases fill `result`, all but its decision."""
 
     cfg: RolloutConfig
     run_id: str
