@@ -711,7 +711,16 @@ _DRIFT_CHUNK = 50_000
 @lru_cache(maxsize=256)
 def _drift_null_quantiles(g: int, rho: float) -> np.ndarray:
     """Upper quantiles (at `_DRIFT_LEVELS`) of t over G looks of a stationary AR(1) series with lag-1
-    correlation ``rho`` (0: independent looks). A fixed seed per (G, rho): every process, the controller's
+    correlation ``rho`` (0: independent looks): the precomputed law (rollout.judge.drift_table) where the
+    table has it, else simulated here, with the same fixed seed either way."""
+    from rollout.judge.drift_table import DRIFT_QUANTILES  # ~100 KB of constants: only when a look needs them
+
+    known = DRIFT_QUANTILES.get((g, rho))
+    return np.array(known) if known is not None else simulate_drift_null_quantiles(g, rho)
+
+
+def simulate_drift_null_quantiles(g: int, rho: float) -> np.ndarray:
+    """`_drift_null_quantiles` by simulation. A fixed seed per (G, rho): every process, the controller's
     and each calibration worker's, gets the very same critical values."""
     rng = np.random.default_rng([20261207, g, int(round(rho * 1000))])
     draws = []
