@@ -198,4 +198,5 @@ def test_decide_ignores_gates_the_config_does_not_enable():
 
 
 def test_gate_names_are_the_published_ones():
-    assert set(GATE_NAMES) == {"tpot_p50_improvement", "acceptance_length_floor", "sample_ratio", "goodput_guard", "prefix_cache_guard"} | NO_HARM_GATES
+    assert set(GATE_NAMES) == {"tpot_p50_improvement", "acceptance_length_floor", "sample_ratio", "goodput_guard", "prefix_cache_guard",
+                              "acceptance_profile"} | NO_HARM_GATES

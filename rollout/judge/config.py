@@ -99,6 +99,23 @@ class GatesConfig(pydantic.BaseModel, extra="forbid"):
         description="Floor on the canary's mean acceptance length (1 + accepted draft tokens per draft); "
         "null disables the gate.",
     )
+    acceptance_profile: list[float] | None = Field(
+        None,
+        description="Expected acceptance rate at each draft position 1..k, as vLLM counts it: accepted tokens at "
+        "position i over verify steps (accepted_tokens_per_pos[i] / drafts: the share of verify steps that accepted "
+        "position i), non-increasing, each in [0, 1]. Gate acceptance_profile: the canary fails when a position's "
+        "request-clustered upper bound is below its profile value minus acceptance_profile_margin (vLLM's reuse of "
+        "MTP layer 0 for every draft step, a wrong layer loaded). A longer profile than the canary's k: the first k "
+        "positions are judged; a shorter one: the positions it gives. Null disables the gate.",
+    )
+    acceptance_profile_margin: float = Field(
+        0.10,
+        ge=0.0,
+        lt=1.0,
+        description="How far (absolute, 0.10 = 10 points) a draft position's acceptance rate may fall below "
+        "gates.acceptance_profile before the gate fails it; pass needs every judged position's lower bound at or "
+        "above profile minus this margin.",
+    )
     min_requests_per_arm: int = Field(
         30,
         ge=5,
@@ -218,7 +235,27 @@ class GatesConfig(pydantic.BaseModel, extra="forbid"):
         if self.enabled and "prefix_cache_guard" in self.enabled and self.prefix_cache_max_drop is None:
             raise ValueError("enabled names prefix_cache_guard but gates.prefix_cache_max_drop is null: the gate would "
                              "never be judged")
+        if self.enabled and "acceptance_profile" in self.enabled and self.acceptance_profile is None:
+            raise ValueError("enabled names acceptance_profile but gates.acceptance_profile is null: the gate would "
+                             "never be judged")
         return self
+
+    @pydantic.field_validator("acceptance_profile")
+    @classmethod
+    def _profile_is_a_tail(cls, profile: list[float] | None) -> list[float] | None:
+        # position i + 1 is accepted only in a step that accepted position i: the rates cannot rise
+        if profile is None:
+            return None
+        if not profile:
+            raise ValueError("acceptance_profile must give at least one position (or be null: no gate)")
+        outside = [value for value in profile if not 0.0 <= value <= 1.0]
+        if outside:
+            raise ValueError(f"acceptance_profile values are acceptance rates in [0, 1], got {outside}")
+        rises = [i + 2 for i in range(len(profile) - 1) if profile[i + 1] > profile[i]]
+        if rises:
+            raise ValueError(f"acceptance_profile must be non-increasing (position i + 1 is accepted only if i was): "
+                             f"it rises at position {rises[0]}")
+        return profile
 
     @pydantic.field_validator("enabled")
     @classmethod

@@ -21,7 +21,9 @@ The rules (the controller's, unchanged):
   counters since the phase began (``acceptance``), and the sample-ratio check
   (``sample_ratio``: the arms' completed requests against the equal shares the
   alternating pinning promises), and, when ``gates.slo`` sets a bound, the goodput
-  gate on the arms' requests paired by prompt, a look per block (``goodput``);
+  gate on the arms' requests paired by prompt, a look per block (``goodput``), and, when
+  ``gates.acceptance_profile`` is set, the canary's acceptance at each draft position on the
+  same counters as the floor (``position_acceptance``);
 * with a twin baseline (``LookPlan.twin``: a third arm, the baseline's config, pinned in
   turn like the others) the A/A TPOT p50 ratio twin / baseline at every look
   (``noise_floor``): the objective cannot pass while its interval excludes 1;
@@ -56,7 +58,8 @@ from rollout.judge.config import GatesConfig
 from rollout.judge.goodput import goodput_samples, judge_goodput
 from rollout.judge.latency import LatencySamples, judge_latency, latency_samples_by_arm, latency_samples_from_records
 from rollout.judge.sample_ratio import judge_sample_ratio
-from rollout.judge.names import GOODPUT_NAME, OBJECTIVE_NAME, PREFIX_CACHE_NAME, TWIN_ARM
+from rollout.judge.names import GOODPUT_NAME, OBJECTIVE_NAME, PREFIX_CACHE_NAME, PROFILE_NAME, TWIN_ARM
+from rollout.judge.position_acceptance import judge_profile_of_counters
 from rollout.judge.prefix_cache import PrefixCacheLooks, judge_prefix_cache
 from rollout.judge.request_acceptance import spec_decode_of_requests
 from rollout.judge.noise_floor import NoiseFloor, apply_noise_floor, judge_noise_floor
@@ -281,7 +284,8 @@ def judge_look(
     columns: RecordColumns | None = None,
 ) -> list[GateResult]:
     """Every experiment gate at look ``len(fractions)`` on all records so far: latency, acceptance, sample ratio,
-    goodput when the config enables it (``gates.slo`` sets a bound), and the prefix-cache gate when enabled
+    goodput when the config enables it (``gates.slo`` sets a bound), the per-position acceptance profile when
+    ``gates.acceptance_profile`` is set, and the prefix-cache gate when enabled
     (``prefix_cache``: each arm's counters at every look so far; None: unknown, so it is INCONCLUSIVE).
 
     ``looks_of[i]`` is the look record ``i`` arrived in; ``fractions`` the information
@@ -337,6 +341,9 @@ def judge_look_with_floor(
     if is_enabled(PREFIX_CACHE_NAME, cfg):
         gates.append(judge_prefix_cache(prefix_cache, cfg, look=look, max_looks=plan.planned_looks,
                                         information=list(fractions)))
+    if is_enabled(PROFILE_NAME, cfg):
+        gates.append(judge_profile_of_counters(canary_spec, speculative_canary, cfg, look=look,
+                                               max_looks=plan.planned_looks, information=list(fractions)))
     return gates, floor
 
 

@@ -11,6 +11,7 @@ __all__ = [
     "SAMPLE_RATIO_NAME",
     "GOODPUT_NAME",
     "PREFIX_CACHE_NAME",
+    "PROFILE_NAME",
     "GATE_NAMES",
     "GATE_PHASES",
     "TWIN_ARM",
@@ -29,9 +30,11 @@ SAMPLE_RATIO_NAME = "sample_ratio"
 GOODPUT_NAME = "goodput_guard"
 # judged only when gates.prefix_cache_max_drop is set; a family of its own, as the goodput gate
 PREFIX_CACHE_NAME = "prefix_cache_guard"
+# judged only when gates.acceptance_profile is set: the canary's acceptance at each draft position
+PROFILE_NAME = "acceptance_profile"
 GATE_NAMES = (
     OBJECTIVE_NAME, *GUARDRAIL_NAMES, ACCURACY_NAME, DIVERGENCE_NAME, ACCEPTANCE_NAME, SAMPLE_RATIO_NAME, GOODPUT_NAME,
-    PREFIX_CACHE_NAME,
+    PREFIX_CACHE_NAME, PROFILE_NAME,
 )
 
 # the run phase (rollout.config section) whose data judges each gate: with that phase
@@ -43,6 +46,7 @@ GATE_PHASES = {
     SAMPLE_RATIO_NAME: "experiment",
     GOODPUT_NAME: "experiment",
     PREFIX_CACHE_NAME: "experiment",
+    PROFILE_NAME: "experiment",
     ACCURACY_NAME: "accuracy",
     DIVERGENCE_NAME: "accuracy",
 }

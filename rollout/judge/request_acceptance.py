@@ -12,8 +12,9 @@ keeps its ``acceptance_histogram``: verify steps by the number of drafts accepte
   requests' own, in the shape of the server's (``cluster.metrics.SpecDecodeStats``:
   a step that accepted j drafts accepted positions 1..j, exactly as vLLM counts
   ``accepted_tokens_per_pos``), carrying each request's own (verify steps, accepted
-  tokens) beside the sums (`RequestSpecDecodeStats`: the acceptance floor's interval
-  is clustered by request, since a hard prompt accepts less in every step); None
+  tokens) and its accepted tokens at every draft position beside the sums
+  (`RequestSpecDecodeStats`: the acceptance floor's interval, and the per-position
+  profile gate's, are clustered by request, since a hard prompt accepts less in every step); None
   when any completed request of the arm came without them (a server without the
   flag, or one that does not speculate): then the judge falls back to the server's
   counters, which can never pass the floor (no request-clustered interval).
@@ -36,8 +37,8 @@ import numpy as np
 from cluster.metrics import SpecDecodeStats
 from loadtests.records import RequestRecord
 
-__all__ = ["AcceptanceAttribution", "RequestSpecDecodeStats", "attribute", "spec_decode_of_counts",
-           "spec_decode_of_requests", "unseen_steps_bound"]
+__all__ = ["AcceptanceAttribution", "RequestSpecDecodeStats", "attribute", "positions_of_histogram",
+           "spec_decode_of_counts", "spec_decode_of_requests", "unseen_steps_bound"]
 
 #: Verify steps of other traffic, as a share of the server's, below which the arm counts as the experiment's
 #: alone: what the bound on unseen steps leaves is rounding, not another client.
@@ -49,11 +50,20 @@ class RequestSpecDecodeStats(SpecDecodeStats):
     """Spec-decode counters summed over requests, with each request's own (verify steps, accepted tokens).
 
     The sums are the server's shape; ``per_request`` is what a request-clustered interval of
-    accepted / drafts needs (drafts of one prompt are not independent). Adding two of them, or one
-    to server counters, gives plain ``SpecDecodeStats``: whose requests those are is no longer known.
+    accepted / drafts needs (drafts of one prompt are not independent); ``per_request_positions``
+    holds, in the same order, each request's accepted tokens at draft positions 1..k (what the
+    per-position profile gate clusters). Adding two of them, or one to server counters, gives plain
+    ``SpecDecodeStats``: whose requests those are is no longer known.
     """
 
     per_request: tuple[tuple[float, float], ...] = ()
+    per_request_positions: tuple[tuple[float, ...], ...] = ()
+
+    def position_counts(self) -> tuple[tuple[float, tuple[float, ...]], ...]:
+        """Each request's (verify steps, accepted tokens at positions 1..k); () where the positions are unknown."""
+        if len(self.per_request_positions) != len(self.per_request):
+            return ()
+        return tuple((steps, positions) for (steps, _), positions in zip(self.per_request, self.per_request_positions))
 
     def sums(self) -> SpecDecodeStats:
         """The counters alone (what a /metrics delta would show)."""
@@ -78,7 +88,14 @@ def spec_decode_of_counts(drafts: Sequence[float] | np.ndarray, accepted_per_pos
         drafts=float(d.sum()), draft_tokens=proposed, accepted_tokens=float(accepted.sum()),
         accepted_per_position=tuple(float(x) for x in per_pos.sum(axis=0)),
         per_request=tuple(zip(d.tolist(), accepted.tolist())),
+        per_request_positions=tuple(tuple(row) for row in per_pos.tolist()),
     )
+
+
+def positions_of_histogram(histogram: Sequence[int], width: int) -> tuple[float, ...]:
+    """Accepted tokens at draft positions 1..``width - 1`` of a request whose verify steps by drafts accepted are
+    ``histogram``: position p was accepted in every step that accepted p or more drafts (vLLM's own count)."""
+    return tuple(float(sum(histogram[p:])) for p in range(1, width))
 
 
 def spec_decode_of_requests(records: Sequence[RequestRecord], arm: str) -> RequestSpecDecodeStats | None:
@@ -102,6 +119,7 @@ def spec_decode_of_requests(records: Sequence[RequestRecord], arm: str) -> Reque
         for j, count in enumerate(histogram):
             steps[j] += count
         per_request.append((float(sum(histogram)), float(sum(j * n for j, n in enumerate(histogram)))))
+    positions = tuple(positions_of_histogram(histogram, width) for histogram in histograms)
     # position p (1-based) was accepted in every step that accepted p or more drafts
     per_position = [float(sum(steps[p:])) for p in range(1, width)]
     return RequestSpecDecodeStats(
@@ -110,6 +128,7 @@ def spec_decode_of_requests(records: Sequence[RequestRecord], arm: str) -> Reque
         accepted_tokens=float(sum(j * n for j, n in enumerate(steps))),
         accepted_per_position=tuple(per_position),
         per_request=tuple(per_request),
+        per_request_positions=positions,
     )
 
 

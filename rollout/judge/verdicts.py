@@ -17,7 +17,7 @@ import pydantic
 from pydantic import Field
 
 from rollout.judge.config import GatesConfig
-from rollout.judge.names import ACCEPTANCE_NAME, GATE_NAMES, GOODPUT_NAME, PREFIX_CACHE_NAME
+from rollout.judge.names import ACCEPTANCE_NAME, GATE_NAMES, GOODPUT_NAME, PREFIX_CACHE_NAME, PROFILE_NAME
 
 __all__ = [
     "Verdict",
@@ -77,6 +77,8 @@ def is_enabled(name: str, cfg: GatesConfig) -> bool:
     if name == GOODPUT_NAME and cfg.goodput_slo is None:
         return False
     if name == PREFIX_CACHE_NAME and cfg.prefix_cache_max_drop is None:
+        return False
+    if name == PROFILE_NAME and cfg.acceptance_profile is None:
         return False
     return True
 
