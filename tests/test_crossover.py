@@ -19,6 +19,7 @@ from loadtests.records import RequestRecord
 from rollout.config import ConfigError, parse_config
 from rollout.analysis.crossover import AdaptivePolicy, LevelResult, crossing, next_level, ratio_interval
 from rollout.analysis.load_sweep import crossover_line, level_results
+from rollout.calibration.load_curve import level_records as sweep_level_records
 from rollout.record.markdown import markdown_report
 from rollout.record.result import RunResult, SweepCrossover, decision_document
 from tests.test_config import minimal
@@ -32,35 +33,10 @@ def true_crossover(bar: float) -> float:
     return math.exp((bar - A) / B)
 
 
-def ar1(rng: np.random.Generator, n: int, rho: float, sd: float) -> np.ndarray:
-    out, prev = np.empty(n), rng.normal(0.0, sd)
-    for i, e in enumerate(rng.normal(0.0, sd * math.sqrt(1.0 - rho * rho), n)):
-        prev = rho * prev + e
-        out[i] = prev
-    return out
-
-
 def level_records(rng: np.random.Generator, level: float, *, noise: float = 1.0, step_s: float = 10.0,
                   drop: float = 0.0) -> list[RequestRecord]:
-    """One level of a sweep: each prompt to the baseline, then to the canary, in send order."""
-    n = int(15 * math.sqrt(level)) + 25
-    shared = ar1(rng, n, 0.9, 0.15 * noise)
-    tpot = {
-        "baseline": 0.03 * np.exp(shared + ar1(rng, n, 0.8, 0.08 * noise) + rng.normal(0.0, 0.08 * noise, n)),
-        "canary": 0.03 * (A + B * math.log(level)) * np.exp(shared + ar1(rng, n, 0.8, 0.08 * noise)
-                                                           + rng.normal(0.0, 0.08 * noise, n)),
-    }
-    records = []
-    for i in range(n):
-        for j, arm in enumerate(ARMS):
-            ok = rng.random() >= drop
-            records.append(RequestRecord(
-                request_id=f"{level}-{i}-{arm}", tag="sweep", worker="w", arm=arm, pinned_arm=arm, level=level,
-                dataset_index=i, sent_at=1000.0 + i * step_s / n + j * 1e-3, ttft_s=0.05,
-                e2e_s=0.05 + float(tpot[arm][i]) * 32, output_tokens=33 if ok else 0, chunks=9, ok=ok,
-                status=200 if ok else 500,
-            ))
-    return records
+    """One level of a sweep whose true ratio is A + B log(load) (the calibration's correlated records)."""
+    return sweep_level_records(rng, level, A + B * math.log(level), noise=noise, step_s=step_s, drop=drop)
 
 
 def policy(**overrides) -> AdaptivePolicy:

@@ -23,6 +23,7 @@ from rollout.config import parse_config
 from rollout.analysis.crossover import LevelResult, crossing
 from rollout.analysis.depth_advice import DepthArm, advise_depth
 from rollout.judge.config import GatesConfig
+from rollout.judge.load_curve import promote_up_to
 from rollout.judge.verdicts import Decision, is_enabled
 from rollout.record.markdown import markdown_report
 from rollout.record.result import RunResult, SweepCrossover, UsageSummary, decision_document
@@ -105,6 +106,8 @@ def recorded_document(run: str) -> dict:
             look.setdefault("prefix_cache", dict(ADDED_LOOK_PREFIX_CACHE))
         if doc["experiment"].get("sweep") and "sweep_crossover" not in doc["experiment"]:
             doc["experiment"]["sweep_crossover"] = sweep_crossover_of(doc["experiment"]["sweep"])
+        if doc["experiment"].get("sweep") and "promote_up_to" not in doc:  # a sweep's judged claim, written since
+            doc["promote_up_to"] = promote_up_to_of(doc["experiment"]["sweep_crossover"])
         for row in doc["experiment"].get("sweep") or []:  # goodput vs load (null without an SLO)
             for arm in row["arms"].values():
                 arm.setdefault("goodput", None)
@@ -165,6 +168,13 @@ def sweep_crossover_of(rows: list[dict]) -> dict:
               for r in rows]
     return SweepCrossover(ratio_1=crossing(levels, 1.0), objective_bar=crossing(levels, 1.0), levels=levels,
                           adaptive=False).document()
+
+
+def promote_up_to_of(crossover: dict) -> dict:
+    """decision.json `promote_up_to` a sweep writes since (rollout.judge.load_curve), from its crossover's levels
+    (a recorded sweep's levels have no interval, so nothing is shown: its key paths are what matter)."""
+    levels = [LevelResult.model_validate(level) for level in crossover["levels"]]
+    return promote_up_to(levels, crossover["objective_bar"]["bar"], 0.05).model_dump(mode="json")
 
 
 def config_of(doc: dict):

@@ -28,6 +28,7 @@ from loadtests.records import RequestRecord
 from rollout.analysis.crossover import LevelResult, ratio_interval
 from rollout.judge.config import SloConfig
 from rollout.judge.goodput import arm_goodput
+from rollout.judge.load_curve import PromoteUpTo
 
 __all__ = ["crossover_line", "level_results", "summarize_sweep", "sweep_table"]
 
@@ -148,3 +149,11 @@ def crossover_line(crossover: dict) -> str:
     if crossover["ratio_1"]["bar"] != bar["bar"]:
         line += f"; reaches 1.0 at {one(crossover['ratio_1'])}"
     return line + "."
+
+
+def promote_up_to_line(claim: PromoteUpTo) -> str:
+    """One line for the reports: up to which load the candidate is shown to pay (rollout.judge.load_curve)."""
+    where = ("no swept level" if claim.streams_per_replica is None
+             else f"every swept load up to {claim.streams_per_replica:g} streams per replica")
+    return (f"Promote up to (judged, family-wise alpha {claim.alpha:g}): the candidate beats the objective's bar "
+            f"{claim.bar:g} at {where}; {claim.reason}.")

@@ -37,6 +37,7 @@ from rollout.record.result import wholly_ejected_line
 from rollout.judge.latency import latency_samples_from_records
 from rollout.judge.names import ACCURACY_NAME, DIVERGENCE_NAME, OBJECTIVE_NAME
 from rollout.judge.stats import mover_log_ratio_bounds, quantile_band
+from rollout.analysis.load_sweep import promote_up_to_line
 from rollout.analysis.replay import BadInput, judge_input, load_input
 
 __all__ = ["html_report", "write_html_report", "expected_lengths"]
@@ -412,6 +413,10 @@ def _sweep(doc: DecisionDocument, run_dir: Path) -> list[str]:
         if interval is not None and all(map(math.isfinite, interval)):
             ax.vlines(level, interval[0], interval[1], color=ARM_COLORS.get(canary), lw=2)
     ax.axhline(1.0, color="k", ls="--", lw=1, label="no speedup")
+    claim = doc.promote_up_to
+    if claim is not None and claim.streams_per_replica is not None:  # C: shown to pay at every swept load up to it
+        ax.axvline(claim.streams_per_replica, color=VERDICT_COLORS["pass"], ls=":", lw=1.5,
+                   label=f"pays up to {claim.streams_per_replica:g} (judged)")
     ax.set_xlabel("streams per replica")
     ax.set_ylabel("TPOT p50 ratio")
     ax.grid(alpha=0.3)
@@ -420,6 +425,8 @@ def _sweep(doc: DecisionDocument, run_dir: Path) -> list[str]:
                        "from the sweep's records (exact median bands per arm, requests taken as independent)."))
     if got.records is None:
         out.append(_note(f"The sweep's request records were unreadable, so no intervals: {got.problem}."))
+    if claim is not None:
+        out.append(f'<p id="promote-up-to">{_esc(promote_up_to_line(claim))}</p>')
     table_rows = [[r.level, _num(r.arms[base].tpot_p50_ms, 2), _num(r.arms[canary].tpot_p50_ms, 2),
                    _num(r.tpot_ratio),
                    "n/a" if intervals.get(r.level) is None else f"[{intervals[r.level][0]:.3f}, {intervals[r.level][1]:.3f}]",

@@ -12,6 +12,11 @@ A run with several candidates adds one "candidate NAME" case each (classname
 mtp-canary.candidates), its message the reason it won or lost: with a winner, every
 candidate passes (losing to a better candidate is the selection working; the winner's gates
 are the run's `gates`); without one, each candidate's case carries its own verdict.
+
+A run with a load sweep adds two properties: `promote_up_to_streams_per_replica` (the load up to
+which the candidate is shown to pay, rollout.judge.load_curve; "none": not even the lowest level
+swept) and `promote_up_to_reason`. They qualify the decision case, they are not a case: the curve
+decides nothing.
 """
 
 from __future__ import annotations
@@ -63,7 +68,13 @@ def junit_xml(doc: DecisionDocument | Mapping[str, Any]) -> str:
     run_id = str(doc.run_id or "unknown")
     suite = ET.Element("testsuite", name=SUITE)
     # the schema puts <properties> before the cases
-    ET.SubElement(ET.SubElement(suite, "properties"), "property", name="run_id", value=run_id)
+    properties = ET.SubElement(suite, "properties")
+    ET.SubElement(properties, "property", name="run_id", value=run_id)
+    if doc.promote_up_to is not None:
+        claim = doc.promote_up_to.streams_per_replica
+        ET.SubElement(properties, "property", name="promote_up_to_streams_per_replica",
+                      value="none" if claim is None else f"{claim:g}")
+        ET.SubElement(properties, "property", name="promote_up_to_reason", value=doc.promote_up_to.reason)
     outcomes = []
     for gate in doc.gates:
         outcome = {"pass": "passed", "fail": "failure"}.get(gate.verdict, "error")

@@ -14,7 +14,7 @@ from pydantic import ValidationError
 from rollout.record.atomic_file import write_atomically
 from rollout.judge.config import SloConfig
 from rollout.judge.names import OBJECTIVE_NAME
-from rollout.analysis.load_sweep import crossover_line, sweep_table
+from rollout.analysis.load_sweep import crossover_line, promote_up_to_line, sweep_table
 from rollout.record.pipeline_artifacts import write_pipeline_artifacts
 from rollout.record.document import DecisionDocument, GateRecord
 from rollout.record.html import write_html_report
@@ -280,6 +280,8 @@ def _sweep(doc: DecisionDocument) -> list[str]:
     lines.append("\nTPOT from usage tokens per request; tokens/chunk is the client's view of the acceptance length.")
     if exp.sweep_crossover:
         lines.append(crossover_line(exp.sweep_crossover.document()))
+    if doc.promote_up_to:
+        lines.append("\n" + promote_up_to_line(doc.promote_up_to))
     return lines
 
 

@@ -2,7 +2,8 @@
 
 For node-exporter's textfile collector (or any scraper pointed at the file): the decision,
 each gate's verdict and numbers, the arms' request counts, latency percentiles and the
-canary/baseline ratio of each, acceptance per draft position, and the exit code. Built with
+canary/baseline ratio of each, acceptance per draft position, the exit code, and (a run with a load
+sweep) the load up to which the candidate is shown to pay (0: not even the lowest level swept). Built with
 prometheus_client's registry and exposition (it escapes label values, so a run id or name
 from the config cannot break the format); one file per run, replaced whole.
 """
@@ -48,6 +49,11 @@ def registry_for(doc: DecisionDocument | Mapping[str, Any]) -> CollectorRegistry
     _candidates(doc, run_id, gauge)
     _gates(doc, run_id, gauge)
     _experiment(doc, run_id, gauge)
+    if doc.promote_up_to is not None:
+        claim = doc.promote_up_to.streams_per_replica
+        gauge("promote_up_to_streams_per_replica", "the candidate is shown to beat the objective's bar at every swept "
+              "load up to this many streams per replica (0: not even the lowest level swept)").labels(run_id).set(
+            claim if claim is not None else 0)
 
     acceptance = gauge("acceptance_rate", "drafted tokens accepted at each position, per arm", "arm", "position")
     length = gauge("mean_acceptance_length", "tokens per verification step, per arm", "arm")

@@ -1,6 +1,8 @@
 """Speedup vs load: both arms at each level of experiment.sweep (same prompts, pinned
-alternately), after the judged experiment; reported, never gated (rollout.analysis.load_sweep), with
-the crossover load where the TPOT ratio reaches the objective's bar and 1.0 (rollout.analysis.crossover).
+alternately), after the judged experiment; never gated (rollout.analysis.load_sweep), with
+the crossover load where the TPOT ratio reaches the objective's bar and 1.0 (rollout.analysis.crossover),
+and `promote_up_to`, the load up to which the candidate is shown to pay (rollout.judge.load_curve),
+which qualifies a PROMOTE and decides nothing.
 
 Fixed levels (`sweep.levels`) run as one stepped load. The adaptive sweep (`sweep.adaptive`)
 runs one load per level and asks `rollout.analysis.crossover.next_level` for the next one (doubling,
@@ -16,6 +18,7 @@ from loadtests.records import RequestRecord, read_records, write_records
 from loadtests.swarm import Swarm, SwarmProgress, SwarmResult, SwarmSpec
 from rollout.analysis.crossover import AdaptivePolicy, LevelResult, crossing, next_level
 from rollout.analysis.load_sweep import level_results, summarize_sweep
+from rollout.judge.load_curve import promote_up_to
 from rollout.record.result import SweepCrossover, SweepRow
 from rollout.run.phases.web_ui import with_console
 from rollout.run.context import RunContext
@@ -55,6 +58,8 @@ class Sweep:
             adaptive=ctx.cfg.experiment.sweep.adaptive.enabled,
         )
         ctx.result.experiment.sweep_crossover = found
+        # up to which load the candidate pays, judged (the crossover above is an estimate): it qualifies a PROMOTE
+        claim = ctx.result.promote_up_to = promote_up_to(levels, self._bar(ctx), ctx.cfg.gates.alpha)
         for row in rows:
             b, c = row["arms"][BASELINE], row["arms"][CANARY]
             ctx.say(
@@ -65,6 +70,8 @@ class Sweep:
             where = "none in range" if what.level is None else f"{what.level:g} streams/replica"
             ctx.say(f"sweep: TPOT ratio reaches {what.bar:g}: {where} "
                     f"[{_end(what.level_low, 'below')}, {_end(what.level_high, 'above')}] ({what.reason})")
+        ctx.say(f"sweep: pays up to {'no level' if claim.streams_per_replica is None else f'{claim.streams_per_replica:g}'} "
+                f"streams/replica ({claim.reason})")
         ctx.event("sweep", "done", ", ".join(f"{r['level']:g}: {r['tpot_ratio']}" for r in rows))
 
     @staticmethod
