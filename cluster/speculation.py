@@ -163,7 +163,8 @@ def speculative_label(config: Mapping[str, Any] | None) -> str:
     else:
         label = f"{method} k={k}"
     if method in DRAFTER_METHODS and config.get("model"):
-        label += f" ({config['model']})"
+        # a hub id as it is, a local drafter path by its last two parts (checkpoint/dflash)
+        label += f" ({'/'.join(str(config['model']).rstrip('/').split('/')[-2:])})"
     rejection = config.get("rejection_sample_method", "standard")
     if rejection == "synthetic":
         profile = config.get("synthetic_acceptance_rates")

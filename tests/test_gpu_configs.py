@@ -1,4 +1,4 @@
-"""The MiMo-V2.5 configs' clocks hold their own plan: an accuracy item may generate all of its
+"""The MiMo GPU configs' clocks hold their own plan: an accuracy item may generate all of its
 5,120 tokens within its request timeout, and the experiment's warm-up and planned requests fit
 its max_duration_s at a TPOT a healthy GPU arm reaches (the arithmetic of docs/gpu-cluster.md,
 "Generation lengths and the wall clock")."""
@@ -15,7 +15,8 @@ ACCURACY_S_PER_TOKEN = 0.1
 EXPERIMENT_TPOT_S = 0.040
 
 
-@pytest.mark.parametrize("name", ["mimo-v2.5-mtp.yaml", "mimo-v2.5-mtp-h100.yaml"])
+@pytest.mark.parametrize("name", ["mimo-v2.5-mtp.yaml", "mimo-v2.5-mtp-h100.yaml",
+                                  "examples/mimo-v2.6-dflash-vs-no-speculation.yaml"])
 def test_the_configs_clocks_hold_their_plan(name):
     cfg = load_config(REPO / "configs" / name)
     acc, exp = cfg.accuracy, cfg.experiment
