@@ -193,3 +193,15 @@ def test_a_sweep_with_a_known_crossover_writes_promote_up_to_and_qualifies_the_p
     doc = decision_document(ctx.result)
     assert doc["promote_up_to"]["streams_per_replica"] == 4
     assert "for concurrency <= 4 per replica" in markdown_report(doc).split("\n## ")[0]
+
+
+def test_calibrate_reports_the_wrong_claim_rate_per_world_whatever_the_workers():
+    from rollout.calibration.calibrate import format_table, run_calibration
+
+    one = run_calibration(trials=2, seed=4, workers=1, only="load_curve/*")
+    assert one["load_curve"] == run_calibration(trials=2, seed=4, workers=2, only="load_curve/*")["load_curve"]
+    assert [row["world"] for row in one["load_curve"]] == [world.name for world in WORLDS]
+    assert all(0.0 <= row["wrong_claim_rate"] <= 1.0 and row["trials"] == 2 for row in one["load_curve"])
+    table = format_table({**one, "wall_s": 1.0})
+    assert 'P(a wrong "up to C" claim' in table and "flat_at_bar" in table
+    assert run_calibration(trials=2, seed=4, workers=1, only="no_such_set")["load_curve"] == []

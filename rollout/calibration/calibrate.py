@@ -50,6 +50,9 @@ Rows
   against the shared baseline at alpha / K (``rollout.judge.candidates``):
   ``false_promote_rate`` = P(a winner is named); ``unadjusted_false_promote_rate`` =
   the same trials judged at alpha per candidate (the inflation the split prevents).
+* ``load_curve``: the sweep's judged claim ``promote_up_to`` (``rollout.calibration.load_curve``):
+  per world of correlated sweeps with a known true TPOT ratio at every load, P(a wrong "up to C"
+  claim) and the power, P(C reaches the last truly paying level swept).
 
 Every rate is <= alpha by design on its promote side (intersection-union), so
 ``simulation_se`` (the binomial SE of a rate equal to alpha) says how far a
@@ -88,6 +91,7 @@ from rollout.calibration.trial import (
     run_accuracy_batches,
     run_experiment_looks,
 )
+from rollout.calibration.load_curve import WORLDS as LOAD_CURVE_WORLDS, format_lines as load_curve_lines, load_curve_rows
 from rollout.judge.config import GatesConfig
 from rollout.judge.experiment_looks import LookPlan, next_information, requests_by_arm, warmup_end
 from rollout.judge.names import (
@@ -674,6 +678,8 @@ def run_calibration(
     ]
     candidates = _candidate_rows(by_key, alpha, trials)
     dependence = _dependence_rows(by_key, trials)
+    curve_worlds = [w for w in LOAD_CURVE_WORLDS if only is None or fnmatch.fnmatch(f"load_curve/{w.name}", only)]
+    load_curve = load_curve_rows(alpha, trials, seed, curve_worlds, workers) if curve_worlds else []
     decisions = by_key["decision"]
     return {
         "alpha": alpha,
@@ -688,6 +694,7 @@ def run_calibration(
         "goodput_aa": goodput_aa,
         "candidates": candidates,
         "dependence": dependence,
+        "load_curve": load_curve,
         "decision": {
             "false_promote_rate": _rate(decisions, lambda o: o.decision == Decision.PROMOTE.value),
             "false_rollback_rate": _rate(decisions, lambda o: o.decision == Decision.ROLLBACK.value),
@@ -761,6 +768,8 @@ def format_table(result: Mapping[str, Any]) -> str:
             extra = f"  error guard at its limit passes {row['error_guard_pass_at_limit']:.4f}" if "error_guard_pass_at_limit" in row else ""
             lines.append(f"  {row['name']:<24} {row['false_promote_rate']:>13.4f} {row['decision_false_promote_rate']:>8.4f} "
                          f"{row['false_rollback_rate']:>14.4f} {row['good_canary_promote_rate']:>11.4f}{flag}{extra}")
+    if result.get("load_curve"):
+        lines += load_curve_lines(result["load_curve"], bound)
     d = result["decision"]
     lines += ["", "The whole decision with every gate at its limit at once (accuracy phase, then the experiment):",
               f"  P(PROMOTE) {d['false_promote_rate']:.4f}   P(ROLLBACK) {d['false_rollback_rate']:.4f}"]

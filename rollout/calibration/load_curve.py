@@ -27,6 +27,7 @@ Worlds (true ratio r(load); the bar 0.9):
 from __future__ import annotations
 
 import math
+import multiprocessing
 import zlib
 from collections.abc import Callable, Sequence
 from dataclasses import dataclass
@@ -122,20 +123,38 @@ def load_curve_trial(world: LoadCurveWorld, rng: np.random.Generator, alpha: flo
     return wrong, reaches
 
 
-def load_curve_rows(alpha: float, trials: int, seed: int = 0, worlds: Sequence[LoadCurveWorld] = WORLDS) -> list[dict]:
+CHUNK = 25  # trials per task handed to a worker
+
+
+def _chunk(task: tuple[int, float, int, int, int]) -> tuple[int, int, list[tuple[bool, bool | None]]]:
+    """Trials start..stop of one world, each on its own seeded stream (the result does not depend on workers)."""
+    index, alpha, seed, start, stop = task
+    world = WORLDS[index]
+    out = []
+    for trial in range(start, stop):
+        rng = np.random.default_rng([seed, zlib.crc32(f"load_curve/{world.name}".encode()), trial])
+        out.append(load_curve_trial(world, rng, alpha, seed=trial))
+    return index, start, out
+
+
+def load_curve_rows(alpha: float, trials: int, seed: int = 0, worlds: Sequence[LoadCurveWorld] = WORLDS,
+                    workers: int = 1) -> list[dict]:
     """Per world: the wrong-claim rate (<= alpha by design) and the power, over `trials` seeded sweeps."""
+    tasks = [(WORLDS.index(world), alpha, seed, start, min(start + CHUNK, trials))
+             for world in worlds for start in range(0, trials, CHUNK)]
+    if workers <= 1:
+        done = [_chunk(task) for task in tasks]
+    else:
+        with multiprocessing.get_context().Pool(workers) as pool:
+            done = list(pool.imap_unordered(_chunk, tasks))
     rows = []
     for world in worlds:
-        wrong, reaches = [], []
-        for trial in range(trials):
-            rng = np.random.default_rng([seed, zlib.crc32(f"load_curve/{world.name}".encode()), trial])
-            w, r = load_curve_trial(world, rng, alpha, seed=trial)
-            wrong.append(w)
-            if r is not None:
-                reaches.append(r)
+        index = WORLDS.index(world)
+        outcomes = [o for _, _, chunk in sorted((d for d in done if d[0] == index), key=lambda d: d[1]) for o in chunk]
+        reaches = [r for _, r in outcomes if r is not None]
         rows.append({
             "world": world.name,
-            "wrong_claim_rate": float(np.mean(wrong)),
+            "wrong_claim_rate": float(np.mean([w for w, _ in outcomes])),
             "power": float(np.mean(reaches)) if reaches else None,
             "trials": trials,
         })
