@@ -12,10 +12,11 @@ Times are when the bytes reached this host: the kernel stamps every arriving seg
 or E2E (see `_read_body` for the limits).
 
 CPU is what limits how much load one worker core offers, so the read path is lean:
-one read per arriving chunk, no per-read timer (a timer per socket read cost more than
-the rest of the read), one watchdog greenlet per process that cuts a stream off when it
-waited longer than its timeout for its next bytes, and no JSON parse for an ordinary
-mid-stream chunk (`StreamReader.feed`).
+one read per arriving chunk until the first output chunk, then one read per few chunks
+(the socket's receive low-water mark: `_read_body`), no per-read timer (a timer per socket
+read cost more than the rest of the read), one watchdog greenlet per process that cuts a
+stream off when it waited longer than its timeout for its next bytes, and no JSON parse
+for ordinary mid-stream chunks (`StreamReader.feed`).
 """
 
 from __future__ import annotations
@@ -65,6 +66,15 @@ _SO_TIMESTAMPNS = getattr(_socket, "SO_TIMESTAMPNS", None) or (
 )
 _SCM_TIMESTAMPNS = getattr(_socket, "SCM_TIMESTAMPNS", None) or _SO_TIMESTAMPNS
 _TIMESPEC = struct.Struct("@qq")
+# the receive low-water mark: the socket reads as readable once this many bytes wait (Linux: 18)
+_SO_RCVLOWAT = getattr(_socket, "SO_RCVLOWAT", None)
+# after the first output chunk a stream is read once per this many ordinary chunks' bytes: the
+# stream's tail (finish chunk, usage chunk, [DONE]) is about two chunks, so its end is never held
+BATCHED_CHUNKS = 2
+# a batched stream that brought no read for this long is read chunk by chunk again (a slow
+# stream, a tail shorter than the mark); the watchdog checks this often while any is batched
+BATCH_FLUSH_AFTER_S = 0.25
+BATCH_CHECK_S = 0.05
 _ANCILLARY_SIZE = _socket.CMSG_SPACE(_TIMESPEC.size) if hasattr(_socket, "CMSG_SPACE") else 0
 _wall_clock = time.time
 
@@ -84,19 +94,35 @@ RESPONSE_FLOOR_BYTES = 1 << 20
 
 
 class _Watch:
-    __slots__ = ("socket", "timeout_s", "last_read_s", "expired")
+    __slots__ = ("socket", "timeout_s", "last_read_s", "expired", "batched", "unbatched")
 
     def __init__(self, socket: Any, timeout_s: float, now: float) -> None:
         self.socket = socket
         self.timeout_s = timeout_s
         self.last_read_s = now
         self.expired = False
+        self.batched = False  # its socket's low-water mark is above one byte
+        self.unbatched = False  # the watchdog took the mark down: chunk by chunk to its end
+
+
+def _set_low_water(socket: Any, n_bytes: int) -> bool:
+    """Set a gevent socket's receive low-water mark (its real socket's); False if it is closed."""
+    try:
+        socket._sock.setsockopt(_socket.SOL_SOCKET, _SO_RCVLOWAT, n_bytes)
+    except OSError:
+        return False
+    return True
 
 
 class _IdleWatchdog:
     """One greenlet per process that closes the socket of a stream that waited longer than
     its timeout for bytes (the reader then fails with a read timeout). Streams register
-    while their body is read and stamp `last_read_s` at every read."""
+    while their body is read and stamp `last_read_s` at every read.
+
+    It also takes down the low-water mark of a batched stream that brought no read for
+    BATCH_FLUSH_AFTER_S (or a quarter of its timeout): bytes below the mark wait unread, so
+    a slow stream or a short tail is read chunk by chunk from then on, and a trickle below
+    the mark is still bytes arriving, never a read timeout."""
 
     def __init__(self) -> None:
         self._watches: set[_Watch] = set()
@@ -114,16 +140,23 @@ class _IdleWatchdog:
 
     def _run(self) -> None:
         while self._watches:
-            gevent.sleep(min(1.0, min(w.timeout_s for w in self._watches) / 4))
+            period = min(1.0, min(w.timeout_s for w in self._watches) / 4)
+            if any(w.batched for w in self._watches):
+                period = min(period, BATCH_CHECK_S)
+            gevent.sleep(period)
             now = time.perf_counter()
             for watch in list(self._watches):
-                if now - watch.last_read_s > watch.timeout_s:
+                idle_s = now - watch.last_read_s
+                if idle_s > watch.timeout_s:
                     watch.expired = True
                     self._watches.discard(watch)
                     try:
                         watch.socket.close()  # gevent wakes the reader with an error
                     except OSError:
                         pass
+                elif watch.batched and idle_s > min(BATCH_FLUSH_AFTER_S, watch.timeout_s / 4):
+                    watch.batched, watch.unbatched = False, True
+                    _set_low_water(watch.socket, 1)  # the kernel signals readable if a byte waits
 
 
 _watchdog = _IdleWatchdog()
@@ -187,14 +220,31 @@ def _read_stamps(first_ancillary: list | None, last_ancillary: list | None, now:
     return start_s, end_s, floor
 
 
-def _read_body(
-    response: Any,
-    on_read: Callable[[float, bytes, float], None],
-    timeout_s: float,
-    clock: Callable[[], float],
-    sent_s: float | None = None,
-    stamp_first_bytes: Callable[[], bool] | None = None,
-) -> None:
+def _read_mode(socket: Any) -> tuple[Any, bool]:
+    """How a body is read from this socket: (the watcher to wait on for readability or None,
+    whether the real socket is read directly with the kernel's receive stamps)."""
+    # wait for readability before reading: a stream's next chunk is rarely there yet, and
+    # gevent's recv would first try the read and fail with EAGAIN (a syscall and an exception)
+    plain = type(socket) is _GeventSocket
+    # TLS: no wait on the raw socket (decrypted bytes may already sit in the TLS layer); its recv
+    # blocks this greenlet only (gevent), and the watchdog's close ends it
+    readable = socket._read_event if plain else None
+    # a plain gevent TCP socket: read its real socket directly (after the wait, the read
+    # does not block), with the kernel's receive stamps; anything else (TLS) through gevent
+    return readable, plain and _enable_receive_stamps(socket._sock)
+
+
+# Reads after the first output chunk: `batch_bytes()`, asked after each read, is how many bytes
+# should wait before the next (the socket's low-water mark, on a stamped socket only): one while
+# the first output chunk is awaited (TTFT is its first segment's stamp) and once the stream's end
+# is in sight; a few chunks' worth in between, where no read's time is used, so a stream wakes its
+# greenlet once per few chunks instead of once per chunk. The read that ends the response still
+# carries its last segment's stamp (E2E), however many chunks it holds. The mark is back to one
+# byte when the body ends: the connection serves the next request.
+def _read_body(response: Any, on_read: Callable[[float, bytes, float], None], timeout_s: float,
+               clock: Callable[[], float], sent_s: float | None = None,
+               stamp_first_bytes: Callable[[], bool] | None = None,
+               batch_bytes: Callable[[], int] | None = None) -> None:
     """Read a response body to its end, one socket read at a time, handing each read's
     body bytes and when they arrived (start, end: perf_counter) to `on_read`. Uses the response's
     parser state (geventhttpclient HTTPSocketResponse: `_body_buffer`, `_sock`, `feed`).
@@ -202,7 +252,7 @@ def _read_body(
     A read's time is when its bytes reached this host, not when this greenlet got round to
     reading them (the kernel's receive stamps: the comment above `_read_stamps`), so a busy
     generator does not bend TTFT or E2E. Body bytes that came with the headers are stamped
-    when the headers were parsed."""
+    when the headers were parsed. `batch_bytes`: the comment above."""
     buffer = response._body_buffer
     if buffer:  # body bytes that came with the headers
         now = clock()
@@ -215,20 +265,15 @@ def _read_body(
     if socket is None:
         raise ConnectionError("the connection closed before the end of the response")
     feed = response.feed
-    # wait for readability before reading: a stream's next chunk is rarely there yet, and
-    # gevent's recv would first try the read and fail with EAGAIN (a syscall and an exception)
-    plain = type(socket) is _GeventSocket
-    # TLS: no wait on the raw socket (decrypted bytes may already sit in the TLS layer); its recv
-    # blocks this greenlet only (gevent), and the watchdog's close ends it
-    readable = socket._read_event if plain else None
-    # a plain gevent TCP socket: read its real socket directly (after the wait, the read
-    # does not block), with the kernel's receive stamps; anything else (TLS) through gevent
-    stamped = plain and _enable_receive_stamps(socket._sock)
+    readable, stamped = _read_mode(socket)
     recv = socket.recv
     floor = sent_s if sent_s is not None else clock()  # no byte of the answer arrived before
     watch = _watchdog.watch(socket, timeout_s, clock())
     ancillary: list[tuple[int, int, bytes]] = []
     first_ancillary: list[tuple[int, int, bytes]] = []
+    if not stamped or _SO_RCVLOWAT is None:
+        batch_bytes = None
+    low_water = 1
     try:
         while True:
             first = stamp_first_bytes is not None and stamp_first_bytes()
@@ -257,7 +302,7 @@ def _read_body(
             if stamped and (first or complete):
                 start_s, end_s, floor = _read_stamps(first_ancillary if first else None,
                                                      ancillary if complete else None, now, floor, clock)
-            if buffer:
+            if buffer or complete:  # (the end alone, chunked encoding's last chunk, is the stream's end too)
                 body = bytes(buffer)
                 del buffer[:]
                 on_read(start_s, body, end_s)
@@ -265,8 +310,16 @@ def _read_body(
                 return
             if not data:
                 raise ConnectionError("the connection closed before the end of the response")
+            if batch_bytes is not None and not watch.unbatched:
+                wanted = batch_bytes()
+                if wanted != low_water and _set_low_water(socket, wanted):
+                    low_water = wanted
+                    watch.batched = wanted > 1
     finally:
         _watchdog.unwatch(watch)
+        if watch.batched:
+            watch.batched = False
+            _set_low_water(socket, 1)
 
 
 @dataclass(frozen=True)
@@ -401,14 +454,37 @@ def _chunk_template(data: str, slot: bytes) -> tuple[bytes, bytes, int] | None:
     return raw[:start], raw[end:], start + len(raw) - end
 
 
+def _ordinary_chunks(data: bytes, template: tuple[bytes, bytes, int]) -> tuple[int, bytes]:
+    """How many whole ordinary output chunks (see `StreamReader.feed`) a read that starts at an
+    event's start begins with, and the bytes from the first other event on (b"" when none).
+    An ordinary chunk holds no blank line (its JSON escapes line ends), so the events of a
+    read are its pieces between blank lines."""
+    before, after, least = template
+    closing = after[:-2]  # the template's end without its blank line
+    pieces = data.split(b"\n\n")
+    tail = pieces.pop()  # after the last blank line: b"" or the start of the next event
+    count = 0
+    for piece in pieces:
+        if len(piece) + 2 < least or not piece.startswith(before) or not piece.endswith(closing):
+            break
+        text = piece[len(before):len(piece) - len(closing)]
+        if b'"' in text or b"\n" in text or b"\r" in text or text.endswith(b"\\"):
+            break
+        count += 1
+    if count == len(pieces) and not tail:
+        return count, b""
+    return count, b"\n\n".join(pieces[count:] + [tail])
+
+
 class StreamReader:
     """Reads an OpenAI completion stream as it arrives: `feed(read time, bytes)` per socket
     read (right after its stamp), `outcome()` at the end. Counts the chunks that carry
-    output, times the first, and keeps usage, finish reason and errors."""
+    output, times the first, and keeps usage, finish reason and errors. `batch_bytes()` says
+    how many bytes the next read may wait for (see `_read_body`)."""
 
     __slots__ = ("_started_s", "_endpoint", "_decoder", "_template", "ttft_s", "chunks", "usage", "finish_reason",
                  "saw_done", "error", "events", "bytes", "last_read_s", "server_request_id", "spec_decode",
-                 "_max_bytes")
+                 "_max_bytes", "_low_water")
 
     def __init__(self, started_s: float, endpoint: Endpoint, max_bytes: int | None = None) -> None:
         self._max_bytes = max_bytes
@@ -431,6 +507,9 @@ class StreamReader:
         self.server_request_id: str | None = None
         # (acceptance histogram, draft tokens) from the final usage chunk, where the server sends them
         self.spec_decode: tuple[tuple[int, ...], int] | None = None
+        # bytes the next read may wait for: 1 until the first ordinary output chunk, and again once
+        # an event other than an ordinary chunk (the finish, usage, [DONE], an error) came
+        self._low_water = 1
 
     def feed(self, read_s: float, data: bytes, end_s: float | None = None) -> None:
         """One read's bytes: `read_s` when they (the first of them) arrived, `end_s` when
@@ -439,23 +518,27 @@ class StreamReader:
         if self._max_bytes is not None and self.bytes > self._max_bytes:
             raise ResponseTooLarge(f"the response ran past {self._max_bytes} bytes (more than its max_tokens could need)")
         self.last_read_s = read_s if end_s is None else end_s
-        # The usual read mid-stream is one whole event: an output chunk like the stream's
-        # first ordinary one (one choice, output, no finish reason, no usage, no error),
-        # byte for byte but for its text. Such a chunk is counted without a JSON parse:
-        # the text between the template's two parts holds no quote, no line end and ends
-        # in no backslash, so it is all one JSON string and the chunk parses like the
-        # template. Anything else goes through the SSE decoder and the parser.
+        # The usual read mid-stream is whole events: output chunks like the stream's first
+        # ordinary one (one choice, output, no finish reason, no usage, no error), byte for
+        # byte but for their text. Such chunks are counted without a JSON parse: the text
+        # between the template's two parts holds no quote, no line end and ends in no
+        # backslash, so it is all one JSON string and the chunk parses like the template.
+        # The rest of the read (from the first other event on) goes through the SSE decoder
+        # and the parser. (Their read times matter no more: TTFT is already taken.)
         template = self._template
-        if template is not None and len(data) >= template[2]:
-            before, after, _ = template
-            if data.startswith(before) and data.endswith(after) and self._decoder.idle:
-                text = data[len(before):len(data) - len(after)]
-                if b'"' not in text and b"\n" not in text and b"\r" not in text and not text.endswith(b"\\"):
-                    self.events += 1
-                    self.chunks += 1
-                    return
+        if template is not None and len(data) >= template[2] and self._decoder.idle:
+            counted, data = _ordinary_chunks(data, template)
+            self.events += counted
+            self.chunks += counted
+            if not data:
+                return
         for event in self._decoder.feed(read_s, data):
             self.add(event)
+
+    def batch_bytes(self) -> int:
+        """How many bytes the next read may wait for: a few ordinary chunks' worth between the
+        first output chunk and the first sign of the stream's end, else one."""
+        return self._low_water
 
     def awaits_output(self) -> bool:
         """No output chunk yet: the next read may carry the first (the one TTFT is timed by)."""
@@ -466,15 +549,20 @@ class StreamReader:
         data = event.data
         if data == "[DONE]" or data.strip() == "[DONE]":
             self.saw_done = True
+            self._low_water = 1
             return
         try:
             payload = json.loads(data)
         except ValueError:
             self.error = self.error or f"unparseable SSE data: {data[:ERROR_TEXT_LIMIT]!r}"
+            self._low_water = 1
             return
         if not isinstance(payload, dict):
             self.error = self.error or f"unexpected SSE data: {data[:ERROR_TEXT_LIMIT]!r}"
+            self._low_water = 1
             return
+        if payload.get("error") or payload.get("usage") or not payload.get("choices"):
+            self._low_water = 1  # the end is in sight: read every byte as it comes
         if self.server_request_id is None and isinstance(payload.get("id"), str):
             self.server_request_id = payload["id"][:SERVER_ID_LIMIT]
         if payload.get("error"):
@@ -500,6 +588,7 @@ class StreamReader:
         finish_reason = choice.get("finish_reason")
         if finish_reason is not None:
             self.finish_reason = finish_reason
+            self._low_water = 1
         elif self._template is None and carries_output and not usage and len(choices) == 1:
             if self._endpoint == "completions":
                 plain = isinstance(choice.get("text"), str)
@@ -508,6 +597,9 @@ class StreamReader:
                 plain = isinstance(delta.get("content"), str) and "role" not in delta
             if plain:
                 self._template = _chunk_template(data, _TEXT_SLOTS[self._endpoint])
+                if self._template is not None and not self.saw_done and self.error is None:
+                    # the event's bytes on the wire: its SSE line and blank line, its HTTP chunk header
+                    self._low_water = BATCHED_CHUNKS * (len(data) + 16)
 
     def outcome(self) -> StreamOutcome:
         """What the stream said (call once, at its end: a last event without its blank line counts)."""
@@ -647,7 +739,8 @@ class OpenAIStreamClient:
                 transport_error = f"HTTP {status}: {detail[:ERROR_TEXT_LIMIT].decode('utf-8', 'replace')}"
             else:
                 # the timed loop: read, stamp, then parse what the read brought
-                _read_body(response, reader.feed, timeout_s, time.perf_counter, started_s, reader.awaits_output)
+                _read_body(response, reader.feed, timeout_s, time.perf_counter, started_s, reader.awaits_output,
+                           reader.batch_bytes)
                 ended_s = reader.last_read_s if reader.last_read_s is not None else time.perf_counter()
         except GreenletExit:
             cancelled = self._record(
