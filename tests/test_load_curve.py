@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import math
 import xml.etree.ElementTree as ET
+from dataclasses import replace
 from pathlib import Path
 
 import numpy as np
@@ -205,3 +206,14 @@ def test_calibrate_reports_the_wrong_claim_rate_per_world_whatever_the_workers()
     table = format_table({**one, "wall_s": 1.0})
     assert 'P(a wrong "up to C" claim' in table and "flat_at_bar" in table
     assert run_calibration(trials=2, seed=4, workers=1, only="no_such_set")["load_curve"] == []
+    # a resumed run restores the judgement (the sweep does not run again): its claim is judged again from the levels
+    from rollout.run.phases.decide import RestoreJudgement
+    from rollout.run.resume import load_resume_point
+
+    point = load_resume_point(store, "r")
+    assert point.judgement is not None and point.judgement.reason == decided.reason
+    again = RunContext(cfg=cfg, run_id="r", run_dir=tmp_path / "r", store=store,
+                       result=RunResult(run_id="r", run_dir=tmp_path / "r", config=cfg), progress=lambda line: None,
+                       cache_dir=tmp_path, point=replace(point, attempt=2), namespace="test")
+    restored = RestoreJudgement().run(again)
+    assert restored.reason == decided.reason and again.result.promote_up_to == claim
