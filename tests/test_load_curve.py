@@ -76,8 +76,9 @@ def test_a_level_s_bound_is_the_upper_end_of_the_interval_the_report_draws():
 
 def test_the_claim_qualifies_a_promote_and_nothing_else():
     short = promote_up_to([at(1, 0.7), at(2, 0.8), at(4, 0.95)], BAR, ALPHA)
-    assert qualified_reason("promote", "every gate passed", short).startswith(
-        "every gate passed (for concurrency <= 2 per replica: ")
+    assert qualified_reason("promote", "every gate passed", short) == (
+        "every gate passed; for concurrency <= 2 per replica (the sweep shows the TPOT ratio below 0.9 at every "
+        "level up to 2, not at 4)")
     top = promote_up_to([at(1, 0.7), at(2, 0.8)], BAR, ALPHA)
     nothing = promote_up_to([at(1, 0.95)], BAR, ALPHA)
     assert qualified_reason("promote", "every gate passed", top) == "every gate passed"  # up to the top: no limit
@@ -189,11 +190,23 @@ def test_a_sweep_with_a_known_crossover_writes_promote_up_to_and_qualifies_the_p
     ctx.result.gates = [GateResult.model_validate(g) for g in recorded["gates"]]  # every gate passed
     decided = Decide().run(ctx)
     assert decided.decision == Decision.PROMOTE, decided.reason
-    assert "(for concurrency <= 4 per replica: the TPOT ratio is below 0.9 at every level up to 4" in decided.reason
+    assert decided.reason.endswith("; for concurrency <= 4 per replica (the sweep shows the TPOT ratio below 0.9 at "
+                                   "every level up to 4, not at 8)")
     ctx.result.decision, ctx.result.reason = decided.decision, decided.reason
     doc = decision_document(ctx.result)
     assert doc["promote_up_to"]["streams_per_replica"] == 4
     assert "for concurrency <= 4 per replica" in markdown_report(doc).split("\n## ")[0]
+    # a resumed run restores the judgement (the sweep does not run again): its claim is judged again from the levels
+    from rollout.run.phases.decide import RestoreJudgement
+    from rollout.run.resume import load_resume_point
+
+    point = load_resume_point(store, "r")
+    assert point.judgement is not None and point.judgement.reason == decided.reason
+    again = RunContext(cfg=cfg, run_id="r", run_dir=tmp_path / "r", store=store,
+                       result=RunResult(run_id="r", run_dir=tmp_path / "r", config=cfg), progress=lambda line: None,
+                       cache_dir=tmp_path, point=replace(point, attempt=2), namespace="test")
+    restored = RestoreJudgement().run(again)
+    assert restored.reason == decided.reason and again.result.promote_up_to == claim
 
 
 def test_calibrate_reports_the_wrong_claim_rate_per_world_whatever_the_workers():
@@ -206,14 +219,3 @@ def test_calibrate_reports_the_wrong_claim_rate_per_world_whatever_the_workers()
     table = format_table({**one, "wall_s": 1.0})
     assert 'P(a wrong "up to C" claim' in table and "flat_at_bar" in table
     assert run_calibration(trials=2, seed=4, workers=1, only="no_such_set")["load_curve"] == []
-    # a resumed run restores the judgement (the sweep does not run again): its claim is judged again from the levels
-    from rollout.run.phases.decide import RestoreJudgement
-    from rollout.run.resume import load_resume_point
-
-    point = load_resume_point(store, "r")
-    assert point.judgement is not None and point.judgement.reason == decided.reason
-    again = RunContext(cfg=cfg, run_id="r", run_dir=tmp_path / "r", store=store,
-                       result=RunResult(run_id="r", run_dir=tmp_path / "r", config=cfg), progress=lambda line: None,
-                       cache_dir=tmp_path, point=replace(point, attempt=2), namespace="test")
-    restored = RestoreJudgement().run(again)
-    assert restored.reason == decided.reason and again.result.promote_up_to == claim

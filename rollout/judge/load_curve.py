@@ -136,4 +136,7 @@ def qualified_reason(decision: str | None, reason: str, claim: PromoteUpTo | Non
     top level swept gains "for concurrency <= C per replica"; every other reason is returned unchanged."""
     if decision != "promote" or claim is None or not claim.below_top():
         return reason
-    return f"{reason} (for concurrency <= {claim.streams_per_replica:g} per replica: {claim.reason})"
+    up_to = claim.streams_per_replica
+    stop = next(load for load in claim.levels_judged if load > up_to)
+    return (f"{reason}; for concurrency <= {up_to:g} per replica (the sweep shows the TPOT ratio below "
+            f"{claim.bar:g} at every level up to {up_to:g}, not at {stop:g})")
