@@ -138,8 +138,9 @@ def test_promote_up_to_is_typed_in_decision_json_and_absent_without_a_sweep():
 def test_every_rendering_shows_the_claim(tmp_path):
     doc = promote_with_sweep(promote_up_to([at(1, 0.6), at(2, 0.8), at(4, 0.95)], BAR, ALPHA))
     report = markdown_report(doc)
-    assert "Promote up to (judged, family-wise alpha 0.05): the candidate beats the objective's bar 0.9 at every " \
-           "swept load up to 2 streams per replica;" in report
+    assert "Promote up to (judged): the candidate beats the objective's bar 0.9 at every swept load up to 2 streams " \
+           "per replica; the TPOT ratio is below 0.9 at every level up to 2 streams per replica (upper ends of 95% " \
+           "intervals, levels in ascending order, family-wise alpha 0.05: 1 (0.672), 2 (0.896)); not shown at 4" in report
     assert report.index("## Speedup vs load") < report.index("Promote up to")
     page = html_report(doc, tmp_path)
     assert 'id="promote-up-to"' in page and "pays up to 2 (judged)" in page  # the plot's mark, its legend

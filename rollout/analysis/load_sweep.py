@@ -153,7 +153,6 @@ def crossover_line(crossover: dict) -> str:
 
 def promote_up_to_line(claim: PromoteUpTo) -> str:
     """One line for the reports: up to which load the candidate is shown to pay (rollout.judge.load_curve)."""
-    where = ("no swept level" if claim.streams_per_replica is None
-             else f"every swept load up to {claim.streams_per_replica:g} streams per replica")
-    return (f"Promote up to (judged, family-wise alpha {claim.alpha:g}): the candidate beats the objective's bar "
-            f"{claim.bar:g} at {where}; {claim.reason}.")
+    where = ("at no swept level" if claim.streams_per_replica is None
+             else f"at every swept load up to {claim.streams_per_replica:g} streams per replica")
+    return f"Promote up to (judged): the candidate beats the objective's bar {claim.bar:g} {where}; {claim.reason}."
