@@ -24,6 +24,7 @@ __all__ = [
     "speculative_config_error",
     "speculative_tokens",
     "speculative_label",
+    "drafts_every_step",
 ]
 
 # vLLM 0.32 MTPModelTypes: every name but "mtp" is deprecated there and read as "mtp"
@@ -42,6 +43,9 @@ SPECULATIVE_METHODS = frozenset({
     "mtp", "ngram", "[ngram]", "ngram_gpu", "suffix", "dspark", "extract_hidden_states", *DRAFTER_METHODS, *MTP_ALIASES,
 })
 REJECTION_SAMPLE_METHODS = ("standard", "block", "synthetic")
+# methods that propose only where the text repeats itself (a lookup in the prompt and output, or
+# in a suffix tree of past outputs): a request may get no draft at all and the method still works
+LOOKUP_METHODS = frozenset({"ngram", "ngram_gpu", "suffix"})
 # suffix decoding without num_speculative_tokens: vLLM takes suffix_decoding_max_tree_depth (default 24) as k
 SUFFIX_DEFAULT_DEPTH = 24
 _SYNTHETIC_FIELDS = ("synthetic_acceptance_rates", "synthetic_acceptance_length")
@@ -173,3 +177,10 @@ def speculative_label(config: Mapping[str, Any] | None) -> str:
     elif rejection != "standard":
         label += f", {rejection} verification"
     return label
+
+
+def drafts_every_step(config: Mapping[str, Any] | None) -> bool:
+    """Whether an engine with ``config`` drafts on every decode step whatever the text (a drafter or
+    MTP head), so that a request without drafts means it is broken; False for lookup methods (ngram,
+    suffix), which draft only where the text repeats, and without speculation."""
+    return bool(config) and _method(config) not in LOOKUP_METHODS  # type: ignore[arg-type]

