@@ -76,6 +76,14 @@ Speculative decoding (canary): every decode step drafts ``k`` tokens; position i
 accepted with probability ``r`` if every earlier one was (``r`` solved from the
 trial's true mean acceptance length). Counters accumulate per completed request.
 
+    per-position profile (`spec_decode_by_profile`): each request draws its own conditional
+    rate at every position (accepted given the one before was) from a Beta of the given
+    concentration around that position's mean (a hard prompt accepts less at each position);
+    `profile_truth` is the per-position rate the server's counters converge to (accepted at
+    position i over verify steps, exact per request by recursion on the tokens left, averaged
+    over the Beta by common random numbers), and `conditional_means_for_profile` solves the
+    means that put it exactly on a target profile (the boundary a gate's error is measured at).
+
 Eval items (paired): each item falls in one of four cells (both right, both wrong,
 only baseline right, only canary right); with no true change the arms still disagree
 on ``discordance`` of the items, a drop of d moves d of them from 'both right' to
@@ -92,6 +100,7 @@ from dataclasses import dataclass, replace
 
 import numpy as np
 from scipy import optimize, special
+from scipy.stats import qmc as stats_qmc
 
 from cluster.arms import BASELINE, CANARY
 from loadtests.records import RequestRecord
@@ -111,6 +120,9 @@ __all__ = [
     "goodput_boundary_spec",
     "spec_decode_by_request",
     "acceptance_rate_for_length",
+    "spec_decode_by_profile",
+    "profile_truth",
+    "conditional_means_for_profile",
     "paired_items",
 ]
 
@@ -494,6 +506,92 @@ def spec_decode_by_request(
     drafts = np.minimum(np.argmax(emitted >= steps, axis=-1) + 1, steps)
     used = np.arange(steps)[None, :] < drafts[:, None]
     return drafts.astype(float), (accepted * used[:, :, None]).sum(axis=1).astype(float)
+
+
+def _position_rates(u: np.ndarray, means: np.ndarray, concentration: float) -> np.ndarray:
+    """Conditional rates per request and position: the Beta(c m, c (1 - m)) quantiles of ``u`` (0 and 1 stay put)."""
+    means = np.clip(np.asarray(means, dtype=float), 0.0, 1.0)
+    inner = (means > 0.0) & (means < 1.0)
+    a = np.where(inner, concentration * means, 1.0)
+    b = np.where(inner, concentration * (1.0 - means), 1.0)
+    return np.where(inner, special.betaincinv(a, b, u), means)
+
+
+def spec_decode_by_profile(
+    rng: np.random.Generator, n_requests: int, output_tokens: int, conditional_means: np.ndarray, concentration: float
+) -> tuple[np.ndarray, np.ndarray]:
+    """Every request's verify steps until its output_tokens - 1 decode tokens are out, each request drawing its
+    conditional acceptance rate at each position from a Beta around ``conditional_means``:
+    (drafts per request, accepted tokens per request and draft position (n, k))."""
+    k = len(conditional_means)
+    rates = _position_rates(rng.random((n_requests, k)), np.asarray(conditional_means), concentration)
+    steps = max(output_tokens - 1, 1)
+    accepted = np.cumprod(rng.random((n_requests, steps, k)) < rates[:, None, :], axis=-1)
+    emitted = np.cumsum(1 + accepted.sum(axis=-1), axis=-1)
+    drafts = np.minimum(np.argmax(emitted >= steps, axis=-1) + 1, steps)
+    used = np.arange(steps)[None, :] < drafts[:, None]
+    return drafts.astype(float), (accepted * used[:, :, None]).sum(axis=1).astype(float)
+
+
+def _expected_counts(rates: np.ndarray, decode_tokens: int) -> tuple[np.ndarray, np.ndarray]:
+    """(expected verify steps (m,), expected accepted per position (m, k)) of requests with conditional ``rates``
+    (m, k) until ``decode_tokens`` are out: S[n] = 1 + sum_j P(A=j) S[n-1-j], the same for each position's count."""
+    m, k = rates.shape
+    tail = np.cumprod(rates, axis=1)  # P(A >= i), i = 1..k
+    tail0 = np.column_stack([np.ones(m), tail, np.zeros(m)])
+    exactly = tail0[:, :-1] - tail0[:, 1:]  # P(A = j), j = 0..k
+    steps = np.zeros((decode_tokens + 1, m))
+    accepted = np.zeros((decode_tokens + 1, m, k))
+    for n in range(1, decode_tokens + 1):
+        steps[n], accepted[n] = 1.0, tail
+        for j in range(k + 1):
+            if n - 1 - j > 0:
+                steps[n] += exactly[:, j] * steps[n - 1 - j]
+                accepted[n] += exactly[:, j, None] * accepted[n - 1 - j]
+    return steps[decode_tokens], accepted[decode_tokens]
+
+
+def _quantiles(k: int, draws: int, seed: int) -> np.ndarray:
+    """Scrambled Sobol points in [0, 1)^k: the Beta quantiles' common random numbers (error ~1/draws, not 1/sqrt)."""
+    return stats_qmc.Sobol(k, scramble=True, seed=seed).random(draws)
+
+
+def _truth_of_rates(rates: np.ndarray, decode_tokens: int) -> np.ndarray:
+    steps, accepted = _expected_counts(rates, decode_tokens)
+    return accepted.mean(axis=0) / steps.mean()
+
+
+def profile_truth(conditional_means: np.ndarray, concentration: float, output_tokens: int, draws: int = 1 << 14,
+                  seed: int = 0) -> np.ndarray:
+    """Per-position acceptance sum E[accepted_i] / E[verify steps] the counters of many requests converge to."""
+    u = _quantiles(len(conditional_means), draws, seed)
+    return _truth_of_rates(_position_rates(u, np.asarray(conditional_means), concentration), max(output_tokens - 1, 1))
+
+
+def conditional_means_for_profile(target: np.ndarray, concentration: float, output_tokens: int,
+                                  draws: int = 1 << 14, seed: int = 0, tolerance: float = 1e-7) -> np.ndarray:
+    """The conditional means whose `profile_truth` (same draws) is ``target`` (non-increasing, in [0, 1])."""
+    target = np.asarray(target, dtype=float)
+    decode_tokens = max(output_tokens - 1, 1)
+    u = _quantiles(target.size, draws, seed)
+    means = np.append(target[:1], target[1:] / np.maximum(target[:-1], 1e-12)).clip(0.0, 1.0)
+    rates = _position_rates(u, means, concentration)
+    for _ in range(12):  # Gauss-Seidel: each position's mean moves its own rate most, the others' a little
+        if np.max(np.abs(_truth_of_rates(rates, decode_tokens) - target)) < tolerance:
+            break
+        for i in range(target.size):
+            if target[i] in (0.0, 1.0):
+                continue
+
+            def gap(x: float, i: int = i) -> float:
+                trial = rates.copy()
+                trial[:, i] = _position_rates(u[:, i], np.array(x), concentration)
+                return float(_truth_of_rates(trial, decode_tokens)[i] - target[i])
+
+            if gap(1e-9) < 0 < gap(1.0 - 1e-9):
+                means[i] = optimize.brentq(gap, 1e-9, 1.0 - 1e-9, xtol=1e-12)
+                rates[:, i] = _position_rates(u[:, i], means[i:i + 1], concentration)
+    return means
 
 
 # -- eval items ------------------------------------------------------------------------
