@@ -110,3 +110,16 @@ def test_a_resumed_run_that_judged_nothing_does_not_promote_on_its_stored_steps(
     ctx.point = ResumePoint(2, "progressive", 100.0, None, [], None, stored, 2)
     ctx.record_decision(Progressive().run(ctx))
     assert ctx.result.decision == Decision.INCONCLUSIVE
+
+
+def test_an_abort_before_any_gate_never_ramps_the_canary(tmp_path, monkeypatch):
+    """A run that judges nothing before its steps, aborted (ROLLBACK) before its first look: the steps would ramp
+    the canary's weight after the operator asked for the stable config. They do not run."""
+    ctx, _ = _context(tmp_path, judged=False)
+    ctx.record_decision(Decided(Decision.ROLLBACK, "aborted by command during experiment"))
+    assert not ctx.result.gates
+    assert not Progressive().enabled(ctx)
+    # the same run undecided (INCONCLUSIVE: nothing judged) still bakes its steps, as the guards may roll it back
+    fresh, _ = _context(tmp_path / "fresh", judged=False)
+    fresh.record_decision(Decided(Decision.INCONCLUSIVE, "no gate was judged"))
+    assert Progressive().enabled(fresh)

@@ -47,7 +47,9 @@ class Progressive:
     def enabled(self, ctx: RunContext) -> bool:
         # a run that judges nothing before the steps has no gates; one with candidates always judged them
         judged_nothing = not ctx.result.gates and ctx.result.candidates is None
-        return ctx.cfg.progressive.enabled and (ctx.result.decision == Decision.PROMOTE or judged_nothing)
+        # a ROLLBACK (an abort, say, before any gate was judged) never ramps the canary: stable stays
+        rolled_back = ctx.result.decision == Decision.ROLLBACK
+        return ctx.cfg.progressive.enabled and (ctx.result.decision == Decision.PROMOTE or (judged_nothing and not rolled_back))
 
     def run(self, ctx: RunContext) -> Decided:
         prog = ctx.cfg.progressive
