@@ -172,13 +172,17 @@ def test_steps_over_servers_that_run_elsewhere_are_advisory_without_a_hook_and_t
     from rollout.record.markdown import markdown_report
     from rollout.record.result import ProgressiveSummary
 
-    reason = advisory_reason(parse_config(external_config(canary={"endpoints": [], "engine": {"model": "m"}})))
+    def advisory(config: dict) -> str | None:
+        cfg = parse_config(config)
+        return advisory_reason(cfg, cfg.canary)
+
+    reason = advisory(external_config(canary={"endpoints": [], "engine": {"model": "m"}}))
     assert reason.startswith("advisory: baseline run elsewhere (endpoints) and no weight_hook")
     hooked = external_config() | {"weight_hook": {"command": ["true"]}}
-    assert advisory_reason(parse_config(hooked)) is None
+    assert advisory(hooked) is None
     launched = external_config(baseline={"endpoints": [], "engine": {"model": "m"}},
                                canary={"endpoints": [], "engine": {"model": "m"}})
-    assert advisory_reason(parse_config(launched)) is None
+    assert advisory(launched) is None
     # decision.json carries the key only when the steps were advisory (a launched run's shape is unchanged)
     summary = dict(steps_completed=1, observed_split=[], requests_received=1, records_stored=1, attempt=1, duration_s=1)
     assert "advisory" not in ProgressiveSummary(**summary).document()

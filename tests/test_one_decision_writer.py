@@ -264,3 +264,29 @@ def test_the_controller_records_an_abort_taken_by_a_phase_that_then_raised(tmp_p
     assert result.exit_code == 1 and result.error == "unexpected KeyError: 'canary'"
     assert (result.decision, result.reason) == (Decision.ROLLBACK, "aborted by command during accuracy")
     assert json.loads((tmp_path / "r1" / "decision.json").read_text())["exit_code"] == 1
+
+
+def test_the_winner_takes_the_seat_without_the_config_being_rewritten(tmp_path, monkeypatch):
+    """The candidates' winner sits in the canary's seat through `result.winner`: `ctx.canary_arm` is its arm
+    (promoted.yaml, the sweep's replicas), while the run's config stays the one it was given."""
+    from rollout.run.phases import candidate_choice
+
+    ctx = _context(tmp_path, "configs/examples/local-candidates.yaml")
+    given = ctx.cfg
+    names = [c.name for c in given.candidates]
+    winner = names[-1]
+    assert ctx.canary_arm == given.candidates[0].arm()  # before the choice: the first candidate's, as the config says
+    ctx.engines = {name: SimpleNamespace(num_speculative_tokens=2) for name in names}
+    ctx.result.arms = {name: {} for name in names}
+    ctx.candidate_gates = {name: [_gate("accuracy_noninferiority", Verdict.PASS)] for name in names}
+    handed: list[str] = []
+    ctx.fleet = SimpleNamespace(hand_over=lambda name, seat: handed.append(name), urls=lambda: {"baseline": [], "canary": []},
+                                upstream_keys=lambda: {}, retire=lambda losers: handed.extend(losers))
+    ctx.router = SimpleNamespace(set_arms=lambda arms, keys: None)
+    # the gates' rule is rollout.judge.candidates' (tested there): here the last candidate wins
+    monkeypatch.setattr(candidate_choice, "choose_winner", lambda results, share: candidate_choice.CandidateChoice(
+        Decision.PROMOTE, winner, {r.name: "won" if r.name == winner else "slower" for r in results}))
+    assert candidate_choice.choose_now(ctx) is None  # a winner: the decision phase judges its gates
+    assert ctx.result.winner == winner and handed[0] == winner
+    assert ctx.cfg is given and ctx.cfg.canary == given.candidates[0].arm()
+    assert ctx.canary_arm == given.candidates[-1].arm()

@@ -31,7 +31,7 @@ from cluster.fleet import Fleet
 from cluster.router import ROUTER_WATCH_NAME, RouterClient
 from loadtests.options import TrafficOptions
 from loadtests.swarm import SwarmSpec
-from rollout.config import RolloutConfig
+from rollout.config import ArmConfig, RolloutConfig
 from rollout.judge.verdicts import GateResult
 from rollout.record.result import RunResult
 from rollout.run.decision import Decided, aborted_by_command
@@ -228,6 +228,14 @@ class RunContext:
     @property
     def served_model(self) -> str:
         return self.engines[BASELINE].served_model_name
+
+    @property
+    def canary_arm(self) -> ArmConfig:
+        """The arm in the canary's seat: the config's canary, or, once a candidate won, that candidate's arm
+        (the config itself never changes during a run: which candidate sits there is `result.winner`)."""
+        if self.result.winner:
+            return next(c for c in self.cfg.candidates if c.name == self.result.winner).arm()
+        return self.cfg.canary
 
     @property
     def speculative_canary(self) -> bool:

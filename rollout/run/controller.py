@@ -408,8 +408,9 @@ class Controller:
     def _write_promoted(self, model: str) -> None:
         """The canary's arm is the stable one (the store says so): promoted.yaml is an arm spec a later run can use as baseline."""
         ctx = self.ctx
-        canary = redact_config(ctx.cfg.canary.model_dump(mode="json", exclude_none=True))
-        if ctx.cfg.canary.tiny_model is None:
+        seat = ctx.canary_arm  # the winning candidate's arm in a run with candidates
+        canary = redact_config(seat.model_dump(mode="json", exclude_none=True))
+        if seat.tiny_model is None:
             canary.pop("tiny_model", None)
         promoted = {"promoted_from_run": ctx.run_id, "baseline": canary}
         path = ctx.run_dir / "promoted.yaml"

@@ -13,7 +13,7 @@ written (rollout.run.decision)."""
 from __future__ import annotations
 
 from cluster.arms import BASELINE, CANARY
-from rollout.judge.candidates import CandidateResult, candidate_gates, choose_winner
+from rollout.judge.candidates import CandidateChoice, CandidateResult, candidate_gates, choose_winner
 from rollout.judge.names import OBJECTIVE_NAME
 from rollout.judge.selection import winners_curse_note
 from rollout.judge.verdicts import Decision, decide
@@ -36,7 +36,7 @@ def choose_now(ctx: RunContext) -> Decided | None:
     choice = choose_winner(results, share)
     standing = ctx.standing
     if standing is not None:
-        choice = type(choice)(choice.decision, None, {
+        choice = CandidateChoice(choice.decision, None, {
             name: f"not promoted: {standing.reason} (its gates so far: {reason})"
             for name, reason in choice.reasons.items()})
     ctx.result.candidates = [
@@ -51,8 +51,8 @@ def choose_now(ctx: RunContext) -> Decided | None:
         return None
     if choice.winner is None:
         return no_winner(choice.decision, choice.reasons, len(results), share.alpha, ctx.experiment_capped)
+    ctx.result.winner = choice.winner  # from here on ctx.canary_arm is the winner's
     take_the_seat(ctx, choice.winner)
-    ctx.result.winner = choice.winner
     # the winner's gates are the run's: the sweep (on the winner) and the decision follow as for one canary
     won = results[[r.name for r in results].index(choice.winner)]
     ctx.result.gates += won.gates
@@ -75,13 +75,11 @@ def lost_candidates(ctx: RunContext) -> frozenset[str]:
 
 
 def take_the_seat(ctx: RunContext, winner: str) -> None:
-    """The winner's replicas become the canary arm (router, fleet, engines, config); the losers stop."""
-    candidate = next(c for c in ctx.cfg.candidates if c.name == winner)
+    """The winner's replicas become the canary arm (router, fleet, engines); the losers stop. The config is
+    not rewritten: promoted.yaml and the stable mark read the seat's arm (`ctx.canary_arm`, from result.winner)."""
     losers = [c.name for c in ctx.cfg.candidates if c.name != winner]
     ctx.engines[CANARY] = ctx.engines[winner]
     ctx.result.arms[CANARY] = {**ctx.result.arms[winner], "candidate": winner}
-    # promoted.yaml and the stable mark read the canary's config: the winner's from here on
-    ctx.cfg = ctx.cfg.model_copy(update={"canary": candidate.arm()})
     ctx.fleet.hand_over(winner, CANARY)
     urls = ctx.fleet.urls()
     # losers are left out of the router first (no request reaches a replica being stopped), then stopped

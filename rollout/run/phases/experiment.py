@@ -35,7 +35,7 @@ class Experiment:
 
     def run(self, ctx: RunContext) -> None:
         exp = ctx.cfg.experiment
-        replicas = ctx.cfg.canary.replicas
+        replicas = ctx.canary_arm.replicas
         ctx.say(
             f"experiment: looks every {exp.requests_per_look} completed requests per arm (at least {exp.window_s} s apart), "
             f"{exp.requests_per_arm} per arm planned ({exp.planned_looks} looks), at most {exp.max_duration_s:g} s; "

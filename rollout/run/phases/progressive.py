@@ -26,11 +26,11 @@ from rollout.run.decision import UNJUDGED, Decided, after_steps
 PROGRESSIVE_SEED_OFFSET = 1000  # the progressive load's prompts differ from the experiment's
 
 
-def advisory_reason(cfg) -> str | None:
+def advisory_reason(cfg, canary_arm) -> str | None:
     """Why the steps are advisory: servers someone else runs (endpoints) take real traffic the
     run's router does not split, and without a weight_hook nothing moves it (None: the steps move
     the traffic they judge)."""
-    external = [name for name, arm in (("baseline", cfg.baseline), ("canary", cfg.canary)) if arm.endpoints]
+    external = [name for name, arm in (("baseline", cfg.baseline), ("canary", canary_arm)) if arm.endpoints]
     if not external or cfg.weight_hook is not None:
         return None
     return (f"advisory: {' and '.join(external)} run elsewhere (endpoints) and no weight_hook moves their traffic; "
@@ -69,7 +69,7 @@ class Progressive:
             "progressive: steps "
             + " -> ".join(f"{s.canary_weight:g}%" + (" (pause)" if s.pause else "") for s in prog.steps)
         )
-        advisory = advisory_reason(ctx.cfg)
+        advisory = advisory_reason(ctx.cfg, ctx.canary_arm)
         if advisory:
             ctx.say(f"progressive: {advisory}")
         if ctx.result.decision != Decision.PROMOTE:

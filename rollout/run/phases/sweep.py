@@ -47,7 +47,7 @@ class Sweep:
             records, levels = self._adaptive(ctx)
         else:
             records = self._fixed(ctx)
-            levels = level_results(records, ARMS, ctx.cfg.experiment.sweep.step_s, ctx.cfg.canary.replicas)
+            levels = level_results(records, ARMS, ctx.cfg.experiment.sweep.step_s, ctx.canary_arm.replicas)
         rows = summarize_sweep(records, ARMS, ctx.cfg.experiment.sweep.step_s, ctx.cfg.gates.goodput_slo)
         ctx.store.put_phase_result(ctx.run_id, "sweep", 1, rows)
         ctx.result.experiment.sweep = [SweepRow.model_validate(row) for row in rows]
@@ -91,7 +91,7 @@ class Sweep:
 
     def _adaptive(self, ctx: RunContext) -> tuple[list[RequestRecord], list[LevelResult]]:
         """One load per level, the next level from the planner; all records in sweep/records.jsonl."""
-        sweep, replicas = ctx.cfg.experiment.sweep, ctx.cfg.canary.replicas
+        sweep, replicas = ctx.cfg.experiment.sweep, ctx.canary_arm.replicas
         adaptive = sweep.adaptive
         bar = self._bar(ctx)
         policy = AdaptivePolicy(
@@ -130,7 +130,7 @@ class Sweep:
     def _load(self, ctx: RunContext, steps: str, top_level: float, path: Path, log_dir: Path) -> list[RequestRecord]:
         """Both arms, every prompt pinned to each in turn, at the stepped levels `steps`."""
         exp = ctx.cfg.experiment
-        sweep, replicas = exp.sweep, ctx.cfg.canary.replicas
+        sweep, replicas = exp.sweep, ctx.canary_arm.replicas
         traffic = ctx.traffic.pinned(
             path,
             tag="sweep",
