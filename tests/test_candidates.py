@@ -113,7 +113,7 @@ def candidates_config(**changes):
 
     data = yaml.safe_load((REPO / "configs" / "examples" / "local-candidates.yaml").read_text())
     if changes.get("candidates") == []:  # the one-canary form: mtp3 as the canary
-        changes["canary"] = {k: v for k, v in data["candidates"][1].items() if k != "name"}
+        changes["canary"] = {k: v for k, v in data["candidates"][0].items() if k != "name"}
     data.update(changes)
     return parse_config(data)
 
@@ -122,7 +122,7 @@ def test_candidates_take_the_canary_seat_in_turn_and_a_stored_config_reads_back(
     from rollout.config import parse_config
 
     cfg = candidates_config()
-    assert cfg.experiment_arms == (BASELINE, "mtp1", "mtp3", "ngram3")
+    assert cfg.experiment_arms == (BASELINE, "mtp3", "ngram3", "plain")
     assert cfg.arm("mtp3").engine.num_speculative_tokens == 3 and cfg.arm(BASELINE) is cfg.baseline
     # the seat starts as the first candidate's config: every check of `canary` holds for it
     assert cfg.canary == cfg.candidates[0].arm()
