@@ -157,7 +157,7 @@ def candidates_document(winner: str | None) -> dict:
     k2 = CandidateSummary(name="k2", speculative_tokens=2, alpha=0.025, decision=Decision.PROMOTE if winner else
                           Decision.ROLLBACK, reason="passed, but k3 is faster" if winner else "rolled back: x failed",
                           gates=[gate(OBJECTIVE_NAME, Verdict.PASS, 0.64)])
-    k3 = CandidateSummary(name="k3", speculative_tokens=3, alpha=0.025,
+    k3 = CandidateSummary(name="k3", speculative_tokens=3, speculation="mtp k=3", alpha=0.025,
                           decision=Decision.PROMOTE if winner else Decision.INCONCLUSIVE,
                           reason="promoted: TPOT p50 ratio 0.500" if winner else "inconclusive: y",
                           gates=[gate(OBJECTIVE_NAME, Verdict.PASS if winner else Verdict.INCONCLUSIVE, 0.5)])
@@ -208,6 +208,9 @@ def test_junit_metrics_and_report_name_every_candidate_and_why():
     assert 'mtp_canary_candidate_decision{candidate="k2",decision="promote",run_id="cands"} 1.0' in prom
     report = markdown_report(candidates_document("k3"))
     assert "## Candidates (winner: k3)" in report and "passed, but k3 is faster" in report and "### k2: gates" in report
+    # each candidate named by its speculative config (a document written before that field: by its k)
+    assert "| k3 | mtp k=3 |" in report and "| k2 | k=2 |" in report
+    assert [c.get("speculation") for c in candidates_document("k3")["candidates"]] == ["", "mtp k=3"]
 
 
 def test_a_run_with_candidates_is_not_resumed_nor_replayed_as_one_canary(tmp_path, capsys):

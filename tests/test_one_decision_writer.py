@@ -174,7 +174,7 @@ def test_an_abort_stands_over_the_candidates_choice(tmp_path):
 
     ctx = _context(tmp_path, "configs/examples/local-candidates.yaml")
     names = [c.name for c in ctx.cfg.candidates]
-    ctx.engines = {name: SimpleNamespace(num_speculative_tokens=2) for name in names}
+    ctx.engines = {name: SimpleNamespace(num_speculative_tokens=2, speculation="mtp k=2") for name in names}
     # every candidate failed: without the abort the choice alone would decide ROLLBACK, "no candidate won"
     ctx.candidate_gates = {name: [_gate("accuracy_noninferiority", Verdict.FAIL)] for name in names}
     ctx.store.add_command("r", "abort")
@@ -276,7 +276,7 @@ def test_the_winner_takes_the_seat_without_the_config_being_rewritten(tmp_path, 
     names = [c.name for c in given.candidates]
     winner = names[-1]
     assert ctx.canary_arm == given.candidates[0].arm()  # before the choice: the first candidate's, as the config says
-    ctx.engines = {name: SimpleNamespace(num_speculative_tokens=2) for name in names}
+    ctx.engines = {name: SimpleNamespace(num_speculative_tokens=2, speculation="mtp k=2") for name in names}
     ctx.result.arms = {name: {} for name in names}
     ctx.candidate_gates = {name: [_gate("accuracy_noninferiority", Verdict.PASS)] for name in names}
     handed: list[str] = []

@@ -50,7 +50,8 @@ def test_the_run_says_it_and_the_report_prints_it(monkeypatch, tmp_path):
     ctx = SimpleNamespace(
         cfg=cfg, result=RunResult(run_id="c", run_dir=tmp_path, config=cfg), say=lines.append,
         event=lambda *a: None, experiment_capped=None, standing=None,
-        engines={c.name: SimpleNamespace(num_speculative_tokens=c.engine.num_speculative_tokens) for c in cfg.candidates},
+        engines={c.name: SimpleNamespace(num_speculative_tokens=c.engine.num_speculative_tokens,
+                                           speculation=c.engine.speculation) for c in cfg.candidates},
         candidate_gates={c.name: gates(0.70 + 0.05 * i, (0.62 + 0.05 * i, 0.76 + 0.05 * i))
                          for i, c in enumerate(reversed(cfg.candidates))},
     )

@@ -59,6 +59,7 @@ class CandidateRecord(Record):
 
     name: str | None = None
     speculative_tokens: int | None = None
+    speculation: str | None = None  # absent in documents written before candidates named their method
     alpha: float | None = None
     decision: str | None = None
     reason: str | None = None

@@ -147,13 +147,13 @@ def _candidates(doc: DecisionDocument, run_dir: Path) -> list[str]:
     candidates = doc.candidates or []
     if not candidates:
         return []
-    rows = [[c.name, c.speculative_tokens, _num(c.alpha, 4),
+    rows = [[c.name, c.speculation or f"k={c.speculative_tokens}", _num(c.alpha, 4),
              _num(next((g.estimate for g in c.gates if g.name == OBJECTIVE_NAME), None)),
              c.reason, c.decision] for c in candidates]
     return [f'<h2 id="candidates">Candidates (winner: {_esc(doc.winner or "none")})</h2>',
             _note("Each candidate is judged against the baseline at alpha / K (Bonferroni); the winner has the lowest "
                   "TPOT p50 ratio among those that passed (within 2%: the one drafting fewer tokens)."),
-            _table(["candidate", "draft tokens", "alpha", "TPOT p50 ratio", "why", "verdict"], rows, 5)] + (
+            _table(["candidate", "speculation", "alpha", "TPOT p50 ratio", "why", "verdict"], rows, 5)] + (
         [_note(doc.winner_note)] if doc.winner_note else [])
 
 

@@ -85,10 +85,10 @@ def _candidates(doc: DecisionDocument) -> list[str]:
     lines = ["", f"## Candidates (winner: {doc.winner or 'none'})", "",
              "Each candidate is judged against the baseline at alpha / K (Bonferroni); the winner has the lowest "
              "TPOT p50 ratio among those that passed (within 2%: the one drafting fewer tokens).", "",
-             "| candidate | draft tokens | alpha | verdict | TPOT p50 ratio | why |", "|---|---|---|---|---|---|"]
+             "| candidate | speculation | alpha | verdict | TPOT p50 ratio | why |", "|---|---|---|---|---|---|"]
     for c in candidates:
         ratio = next((g.estimate for g in c.gates if g.name == OBJECTIVE_NAME), None)
-        lines.append(f"| {c.name} | {c.speculative_tokens} | {_num(c.alpha, 4)} | **{c.decision}** | "
+        lines.append(f"| {c.name} | {c.speculation or f'k={c.speculative_tokens}'} | {_num(c.alpha, 4)} | **{c.decision}** | "
                      f"{_num(ratio)} | {c.reason} |")
     if doc.winner_note:
         lines += ["", f"Note: {doc.winner_note}"]

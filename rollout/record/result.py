@@ -224,6 +224,7 @@ class CandidateSummary(Summary):
 
     name: str
     speculative_tokens: int
+    speculation: str = ""  # its speculative config as the report names it: 'mtp k=3', 'ngram k=3', 'no speculation'
     alpha: float  # the level it was judged at: gates.alpha / K
     decision: Decision
     reason: str

@@ -30,7 +30,8 @@ def choose_now(ctx: RunContext) -> Decided | None:
     cfg = ctx.cfg
     share = candidate_gates(cfg.gates, len(cfg.candidates))
     results = [
-        CandidateResult(c.name, ctx.engines[c.name].num_speculative_tokens, list(ctx.candidate_gates.get(c.name, [])))
+        CandidateResult(c.name, ctx.engines[c.name].num_speculative_tokens, list(ctx.candidate_gates.get(c.name, [])),
+                        ctx.engines[c.name].speculation)
         for c in cfg.candidates
     ]
     choice = choose_winner(results, share)
@@ -40,7 +41,7 @@ def choose_now(ctx: RunContext) -> Decided | None:
             name: f"not promoted: {standing.reason} (its gates so far: {reason})"
             for name, reason in choice.reasons.items()})
     ctx.result.candidates = [
-        CandidateSummary(name=r.name, speculative_tokens=r.speculative_tokens, alpha=share.alpha,
+        CandidateSummary(name=r.name, speculative_tokens=r.speculative_tokens, speculation=r.speculation, alpha=share.alpha,
                          decision=r.decision(share), reason=choice.reasons[r.name], gates=list(r.gates))
         for r in results
     ]
