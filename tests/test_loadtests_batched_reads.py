@@ -179,6 +179,19 @@ def assert_timed_right(record, script: Script) -> None:
     assert (record.e2e_s - record.ttft_s) == pytest.approx(server_e2e - server_ttft, abs=TOLERANCE_S)
 
 
+def stream_one(script: Script, timeout_s: float):
+    """One request against a server that plays `script`: its record and the wall time the client took."""
+    server = ScriptedServer([script])
+    client = OpenAIStreamClient(server.url, timeout_s=timeout_s)
+    try:
+        started = time.perf_counter()
+        record = client.stream(request(), labels(0)).record
+        return record, time.perf_counter() - started
+    finally:
+        client.close()
+        server.close()
+
+
 def test_a_stream_is_read_once_per_few_chunks_and_timed_as_it_arrived(reads):
     """Two requests on one connection: the low-water mark is raised after the first output chunk
     (fewer reads than chunks) and back to one byte at the end (the first answer ends in a read
@@ -206,15 +219,7 @@ def test_a_tail_shorter_than_the_mark_is_read_when_the_watchdog_lowers_it(reads)
     arrival (the last segment's stamp), and the wait is bounded."""
     tail = http_chunk(sse("[DONE]")) + TERMINATOR
     script, _ = ordinary_answer(tail=tail)
-    server = ScriptedServer([script])
-    client = OpenAIStreamClient(server.url, timeout_s=5.0)
-    try:
-        started = time.perf_counter()
-        record = client.stream(request(), labels(0)).record
-        took_s = time.perf_counter() - started
-    finally:
-        client.close()
-        server.close()
+    record, took_s = stream_one(script, timeout_s=5.0)
     assert_timed_right(record, script)
     assert record.output_tokens is None and record.chunks == 24
     assert took_s < record.e2e_s + openai_stream.BATCH_FLUSH_AFTER_S + 2 * openai_stream.BATCH_CHECK_S + 0.1
@@ -231,13 +236,7 @@ def test_a_trickle_below_the_mark_is_bytes_arriving_not_a_read_timeout():
     rest_at = trickle[-1][0] + 0.01
     script.writes = body + trickle + [(rest_at + 0.005, partial[15:]), (rest_at + 0.010, tail_finish[1]),
                                       (rest_at + 0.011, tail_usage[1]), (rest_at + 0.012, terminator[1])]
-    server = ScriptedServer([script])
-    client = OpenAIStreamClient(server.url, timeout_s=0.6)
-    try:
-        record = client.stream(request(), labels(0)).record
-    finally:
-        client.close()
-        server.close()
+    record, _ = stream_one(script, timeout_s=0.6)
     assert_timed_right(record, script)
     assert (record.chunks, record.output_tokens) == (10, tokens)  # 8, the trickled one, the finish; usage's count
 
@@ -248,14 +247,6 @@ def test_a_stream_that_goes_quiet_below_the_mark_still_times_out():
     body = [write for write in script.writes if b'"finish_reason":"length"' not in write[1]][:8]
     half = http_chunk(completion(" tok tok tok tok"))[:30]
     script.writes = body + [(body[-1][0] + 0.010, half), (body[-1][0] + 5.0, b"")]
-    server = ScriptedServer([script])
-    client = OpenAIStreamClient(server.url, timeout_s=0.6)
-    try:
-        started = time.perf_counter()
-        record = client.stream(request(), labels(0)).record
-        took_s = time.perf_counter() - started
-    finally:
-        client.close()
-        server.close()
+    record, took_s = stream_one(script, timeout_s=0.6)
     assert not record.ok and "read timeout" in (record.error or ""), record.error
     assert took_s < 0.2 + 0.6 + 0.6  # the last bytes, the timeout, the watchdog's period (a quarter of it) and slack
