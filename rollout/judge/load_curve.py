@@ -55,7 +55,10 @@ from typing import Protocol
 from pydantic import BaseModel, ConfigDict, Field
 from scipy import stats as scipy_stats
 
-__all__ = ["LevelRatio", "PromoteUpTo", "promote_up_to", "qualified_reason", "upper_bound"]
+from rollout.judge.config import GatesConfig
+
+__all__ = ["LevelRatio", "PromoteUpTo", "objective_bar", "promote_up_to", "promote_up_to_of", "qualified_reason",
+           "upper_bound"]
 
 
 class LevelRatio(Protocol):
@@ -112,6 +115,16 @@ def promote_up_to(levels: Sequence[LevelRatio], bar: float, alpha: float) -> Pro
         bar=bar, upper_bounds=[None if b is None else round(b, 4) for b in bounds],
         reason=_reason(loads, bounds, shown, bar, alpha),
     )
+
+
+def objective_bar(gates: GatesConfig) -> float:
+    """The TPOT p50 ratio the objective must beat, 1 - gates.tpot_p50_min_improvement (rounded: 0.9, not 0.8999...)."""
+    return round(1.0 - gates.tpot_p50_min_improvement, 6)
+
+
+def promote_up_to_of(levels: Sequence[LevelRatio], gates: GatesConfig) -> PromoteUpTo:
+    """`promote_up_to` at the run's own bar and alpha: the sweep phase's claim, and a resumed run's from its stored levels."""
+    return promote_up_to(levels, objective_bar(gates), gates.alpha)
 
 
 def _reason(loads: list[float], bounds: list[float | None], shown: int, bar: float, alpha: float) -> str:

@@ -120,8 +120,7 @@ def spec_decode_of_requests(records: Sequence[RequestRecord], arm: str) -> Reque
             steps[j] += count
         per_request.append((float(sum(histogram)), float(sum(j * n for j, n in enumerate(histogram)))))
     positions = tuple(positions_of_histogram(histogram, width) for histogram in histograms)
-    # position p (1-based) was accepted in every step that accepted p or more drafts
-    per_position = [float(sum(steps[p:])) for p in range(1, width)]
+    per_position = positions_of_histogram(steps, width)  # the arm's steps by drafts accepted, as one histogram
     return RequestSpecDecodeStats(
         drafts=float(sum(steps)),
         draft_tokens=float(drafted),

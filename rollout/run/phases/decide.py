@@ -4,7 +4,7 @@ resumed run, and finally acted on: the router sends 100% to the winner."""
 
 from __future__ import annotations
 
-from rollout.judge.load_curve import promote_up_to, qualified_reason
+from rollout.judge.load_curve import promote_up_to_of, qualified_reason
 from rollout.judge.verdicts import Decision
 from rollout.run.context import RunContext
 from rollout.run.decision import Decided, candidates_reason, decide_now
@@ -36,8 +36,7 @@ class RestoreJudgement:
         r.accuracy, r.experiment = judgement.accuracy, judgement.experiment
         r.spec_decode, r.engine_warnings = dict(judgement.spec_decode), judgement.engine_warnings
         if r.experiment is not None and r.experiment.sweep_crossover is not None:  # the sweep's claim, judged again
-            bar = round(1.0 - ctx.cfg.gates.tpot_p50_min_improvement, 6)
-            r.promote_up_to = promote_up_to(r.experiment.sweep_crossover.levels, bar, ctx.cfg.gates.alpha)
+            r.promote_up_to = promote_up_to_of(r.experiment.sweep_crossover.levels, ctx.cfg.gates)
         decision = judgement.decision
         ctx.say(f"resume: judged before the crash: {decision.value if decision else 'none'} ({judgement.reason})")
         # the Decide phase commits a judgement with its decision: one without is none to restore

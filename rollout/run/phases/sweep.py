@@ -18,7 +18,7 @@ from loadtests.records import RequestRecord, read_records, write_records
 from loadtests.swarm import Swarm, SwarmProgress, SwarmResult, SwarmSpec
 from rollout.analysis.crossover import AdaptivePolicy, LevelResult, crossing, next_level
 from rollout.analysis.load_sweep import level_results, summarize_sweep
-from rollout.judge.load_curve import promote_up_to
+from rollout.judge.load_curve import objective_bar, promote_up_to_of
 from rollout.record.result import SweepCrossover, SweepRow
 from rollout.run.phases.web_ui import with_console
 from rollout.run.context import RunContext
@@ -59,7 +59,7 @@ class Sweep:
         )
         ctx.result.experiment.sweep_crossover = found
         # up to which load the candidate pays, judged (the crossover above is an estimate): it qualifies a PROMOTE
-        claim = ctx.result.promote_up_to = promote_up_to(levels, self._bar(ctx), ctx.cfg.gates.alpha)
+        claim = ctx.result.promote_up_to = promote_up_to_of(levels, ctx.cfg.gates)
         for row in rows:
             b, c = row["arms"][BASELINE], row["arms"][CANARY]
             ctx.say(
@@ -76,7 +76,7 @@ class Sweep:
 
     @staticmethod
     def _bar(ctx: RunContext) -> float:
-        return round(1.0 - ctx.cfg.gates.tpot_p50_min_improvement, 6)
+        return objective_bar(ctx.cfg.gates)
 
     def _fixed(self, ctx: RunContext) -> list[RequestRecord]:
         """Every level of sweep.levels in one stepped load (the records carry their level)."""
